@@ -1,0 +1,409 @@
+"""Typed, self-validating configuration.
+
+`configs/*.py` build an `ml_collections.ConfigDict`; `from_dict` turns it, once, at the
+edge (`gyrejax.launch`), into the frozen dataclasses below. Library code takes these
+dataclasses (or its own section of them), never a ConfigDict and never a global config.
+
+Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the
+dotted field and the bad value, so a typo or a bad override fails with one clear line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+# Names picked by config strings. The registries that implement them live with their
+# modules; these tuples are what the configuration accepts.
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("dense", "blocked")
+LOSSES = ("ppo", "grpo", "tis", "sft")
+ADVANTAGES = ("grpo", "mean_centered", "rloo")
+ENGINES = ("jax", "vllm")
+POLICIES = ("elastic", "colocate", "async")
+ENVIRONMENTS = ("mini_repo",)
+
+# Logical axis -> mesh axis (or None: replicated). Model code names logical axes only.
+ShardingRules = tuple[tuple[str, str | None], ...]
+
+# Training: parameters FSDP-sharded over `fsdp`, heads/mlp/vocab over `tensor`; rows of
+# a micro-step split over `fsdp`.
+TRAIN_SHARDING_RULES: ShardingRules = (
+    ("batch", "fsdp"),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("vocab", "tensor"),
+    ("norm", None),
+)
+# Sampling: no FSDP gather per decode step; tensor parallelism only, slots replicated.
+SAMPLE_SHARDING_RULES: ShardingRules = (
+    ("batch", None),
+    ("length", None),
+    ("embed", None),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("vocab", "tensor"),
+    ("norm", None),
+)
+
+
+def _fail(field: str, value: Any, expected: str) -> typing.NoReturn:
+    raise ConfigError(f"config.{field}={value!r}: {expected}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(f"{section}.{name}", value, "expected a positive integer")
+
+
+def _non_negative(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            _fail(f"{section}.{name}", value, "expected a number >= 0")
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(f"{section}.{name}", value, "expected a finite number")
+
+
+def _one_of(section: str, obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        _fail(f"{section}.{name}", value, f"expected one of {', '.join(choices)}")
+
+
+def _check_rules(section: str, rules: ShardingRules, mesh_axes: tuple[str, ...]) -> None:
+    for rule in rules:
+        if len(rule) != 2 or not isinstance(rule[0], str):
+            _fail(f"{section}.sharding_rules", rule, "expected (logical_axis, mesh_axis|None)")
+        if rule[1] is not None and rule[1] not in mesh_axes:
+            _fail(
+                f"{section}.sharding_rules",
+                rule,
+                f"mesh axis must be one of {', '.join(mesh_axes)} or None",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen2/Qwen3-family decoder (HF `config.json` field names differ)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768  # recorded for HF export (vLLM sizes by it).
+    qk_norm: bool = True  # Qwen3: RMSNorm on q and k per head.
+    qkv_bias: bool = False  # Qwen2 (and Qwen3 with attention_bias): q, k, v bias.
+    o_bias: bool = False  # Qwen3 with attention_bias: output projection bias too.
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # parameters and activations; logits are always float32.
+    attention: str = "dense"  # training attention over packed tree rows.
+    attention_block_size: int = 512  # query/key block of the blocked attention.
+    hf_checkpoint: str = ""  # load weights (and architecture) from this HF directory.
+    init_seed: int = 0
+
+    def __post_init__(self):
+        s = "model"
+        _positive(
+            s,
+            self,
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "attention_block_size",
+            "max_position_embeddings",
+        )
+        if self.num_heads % self.num_kv_heads:
+            _fail(
+                f"{s}.num_kv_heads",
+                self.num_kv_heads,
+                f"must divide model.num_heads={self.num_heads}",
+            )
+        if self.head_dim % 2:
+            _fail(f"{s}.head_dim", self.head_dim, "must be even (rotary embedding)")
+        if not self.rope_theta > 0:
+            _fail(f"{s}.rope_theta", self.rope_theta, "expected a positive number")
+        if not self.rms_norm_eps > 0:
+            _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "expected a positive number")
+        _one_of(s, self, "dtype", DTYPES)
+        _one_of(s, self, "attention", ATTENTION_IMPLS)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count implied by the architecture."""
+        e, h, kv, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = e * h * d + 2 * e * kv * d + h * d * e
+        if self.qkv_bias:
+            attn += h * d + 2 * kv * d
+        if self.o_bias:
+            attn += e
+        if self.qk_norm:
+            attn += 2 * d
+        mlp = 3 * e * self.intermediate_size
+        per_layer = attn + mlp + 2 * e
+        embed = self.vocab_size * e * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + embed + e
+
+
+@dataclasses.dataclass(frozen=True)
+class CellsConfig:
+    """How devices are grouped into cells and how each cell's mesh is shaped."""
+
+    num_cpu_devices: int = 0  # CPU-emulated device count set before JAX starts; 0: leave.
+    size: int = 1  # devices per cell; every model-parallel group lies inside one cell.
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        _non_negative("cells", self, "num_cpu_devices")
+        _positive("cells", self, "size", "fsdp", "tensor")
+        if self.fsdp * self.tensor != self.size:
+            _fail(
+                "cells.size",
+                self.size,
+                f"must equal cells.fsdp * cells.tensor = {self.fsdp} * {self.tensor}",
+            )
+        if self.num_cpu_devices and self.num_cpu_devices % self.size:
+            _fail(
+                "cells.size",
+                self.size,
+                f"must divide the device count cells.num_cpu_devices={self.num_cpu_devices}",
+            )
+
+
+MESH_AXES = ("fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout engines (consumed by gyrejax/rollout)."""
+
+    engine: str = "jax"
+    max_slots: int = 8  # concurrent sequences per engine.
+    max_seq_len: int = 2048  # KV-cache length per slot.
+    temperature: float = 1.0
+    sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
+
+    def __post_init__(self):
+        _one_of("rollout", self, "engine", ENGINES)
+        _positive("rollout", self, "max_slots", "max_seq_len")
+        _non_negative("rollout", self, "temperature")
+        _check_rules("rollout", self.sharding_rules, MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Trainer (consumed by gyrejax/train)."""
+
+    steps: int = 1
+    learning_rate: float = 1e-5
+    row_length: int = 1024  # tokens per packed row.
+    rows_per_micro_step: int = 1
+    max_grad_norm: float = 1.0
+    sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
+
+    def __post_init__(self):
+        _positive("train", self, "steps", "row_length", "rows_per_micro_step")
+        _non_negative("train", self, "learning_rate", "max_grad_norm")
+        _check_rules("train", self.sharding_rules, MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Loss and trajectory processing (consumed by gyrejax/rl and gyrejax/trajectory)."""
+
+    loss: str = "ppo"
+    advantage: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # KL to a reference policy; off by default.
+    group_size: int = 4  # executions per task (N).
+    groups_per_step: int = 2  # B.
+    j_max: int = 5  # admitted root-to-leaf paths per execution.
+
+    def __post_init__(self):
+        _one_of("rl", self, "loss", LOSSES)
+        _one_of("rl", self, "advantage", ADVANTAGES)
+        _non_negative("rl", self, "clip_low", "clip_high", "kl_coef")
+        _positive("rl", self, "group_size", "groups_per_step", "j_max")
+
+
+@dataclasses.dataclass(frozen=True)
+class HarnessConfig:
+    """Agent harness and environment (consumed by gyrejax/harness)."""
+
+    environment: str = "mini_repo"
+    max_turns: int = 32
+    timeout_s: float = 600.0
+    context_budget_tokens: int = 1536  # compaction trigger.
+
+    def __post_init__(self):
+        _one_of("harness", self, "environment", ENVIRONMENTS)
+        _positive("harness", self, "max_turns", "context_budget_tokens")
+        if not self.timeout_s > 0:
+            _fail("harness.timeout_s", self.timeout_s, "expected a positive number")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Cell role policy (consumed by gyrejax/scheduler)."""
+
+    policy: str = "elastic"
+    phi: int = 1  # extra bursts of dispatch depth (staleness bound).
+    mu: int = 1  # training steps per weight publication.
+
+    def __post_init__(self):
+        _one_of("scheduler", self, "policy", POLICIES)
+        _non_negative("scheduler", self, "phi")
+        _positive("scheduler", self, "mu")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under --workdir (consumed by gyrejax/train)."""
+
+    every_steps: int = 10
+    keep: int = 3
+    export_hf: bool = True
+
+    def __post_init__(self):
+        _positive("checkpoint", self, "every_steps", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """Greedy generations that launch runs as a smoke check of the model."""
+
+    prompts: tuple[tuple[int, ...], ...] = ((1, 2, 3),)
+    max_new_tokens: int = 8
+
+    def __post_init__(self):
+        _positive("generate", self, "max_new_tokens")
+        for prompt in self.prompts:
+            if not prompt or any(not isinstance(t, int) or t < 0 for t in prompt):
+                _fail("generate.prompts", prompt, "expected non-empty tuples of token ids >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run configuration."""
+
+    model: ModelConfig = ModelConfig()
+    cells: CellsConfig = CellsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    rl: RLConfig = RLConfig()
+    harness: HarnessConfig = HarnessConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    generate: GenerateConfig = GenerateConfig()
+    seed: int = 0
+
+    def __post_init__(self):
+        for prompt in self.generate.prompts:
+            for token in prompt:
+                if token >= self.model.vocab_size:
+                    _fail(
+                        "generate.prompts",
+                        prompt,
+                        f"token {token} >= model.vocab_size={self.model.vocab_size}",
+                    )
+
+
+def _coerce(path: str, value: Any, hint: Any) -> Any:
+    """Converts a plain value (from a ConfigDict) to the dataclass field's type."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(path, hint, value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            _fail(path, value, "expected a number")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, value, "expected an integer")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(path, value, "expected true or false")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(path, value, "expected a string")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            _fail(path, value, "expected a sequence")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value))
+        if len(args) != len(value):
+            _fail(path, value, f"expected {len(args)} items")
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in pairs)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(path, value, arg)
+            except ConfigError:
+                continue
+        _fail(path, value, f"expected {hint}")
+    return value
+
+
+def _build(path: str, cls: type, values: Any) -> Any:
+    if dataclasses.is_dataclass(values):
+        return values
+    if not isinstance(values, Mapping):
+        _fail(path or "<root>", values, "expected a section (a dict of fields)")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{path}." if path else ""
+    for key in values:
+        if key not in fields:
+            raise ConfigError(
+                f"config.{prefix}{key}: unknown key; known keys: {', '.join(sorted(fields))}"
+            )
+    kwargs = {k: _coerce(f"{prefix}{k}", v, hints[k]) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def from_dict(values: Mapping[str, Any]) -> Config:
+    """Builds a validated `Config` from a nested mapping (e.g. `ConfigDict.to_dict()`).
+
+    Missing keys take their defaults; unknown keys and bad values raise `ConfigError`.
+    """
+    if hasattr(values, "to_dict"):
+        values = values.to_dict()
+    return _build("", Config, values)

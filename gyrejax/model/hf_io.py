@@ -1,0 +1,386 @@
+"""Hugging Face checkpoint I/O for Qwen2/Qwen3 models.
+
+`load_hf` reads `config.json` plus `model.safetensors` (or a sharded
+`model.safetensors.index.json`) into a `Transformer`; `export_hf` writes a model back in
+the same layout, so transformers and vLLM load trained weights. Every problem with a
+checkpoint raises `CheckpointError` naming the file and, where it applies, the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from gyrejax.config import ConfigError, ModelConfig, ShardingRules
+from gyrejax.model.sharding import logical_to_spec
+from gyrejax.model.transformer import Transformer
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some exporters write that carry no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, malformed, or does not match its config."""
+
+
+_HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
+
+
+def model_config_from_hf(hf: dict, source: str, **overrides) -> ModelConfig:
+    """Maps an HF `config.json` dict to a `ModelConfig` (plus `overrides`)."""
+    model_type = hf.get("model_type")
+    if model_type not in ("qwen2", "qwen3"):
+        raise CheckpointError(f"{source}: model_type={model_type!r}, expected qwen2 or qwen3")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"{source}: rope_type={rope_type!r} is not supported")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    try:
+        heads = int(hf["num_attention_heads"])
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        fields = dict(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qk_norm=model_type == "qwen3",
+            # Qwen2 always has q/k/v bias (no output bias); Qwen3 with attention_bias
+            # has bias on q, k, v and o.
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=model_type == "qwen3" and bool(hf.get("attention_bias", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            dtype=_HF_DTYPES.get(str(dtype), "float32"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: malformed field: {e}") from None
+    fields.update(overrides)
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def hf_config_from_model(config: ModelConfig) -> dict:
+    """The HF `config.json` dict for `config` (qwen3 with qk-norm, else qwen2).
+
+    Raises:
+      CheckpointError: the bias layout exists in neither HF architecture.
+    """
+    # Qwen2 always carries q/k/v bias; a model with neither qk-norm nor bias exports as
+    # Qwen2 with zero biases, which computes the same function.
+    if config.qk_norm and config.qkv_bias != config.o_bias:
+        raise CheckpointError(
+            f"model.o_bias={config.o_bias} with model.qkv_bias={config.qkv_bias}: "
+            "Qwen3 has bias on q, k, v and o together or not at all"
+        )
+    if not config.qk_norm and config.o_bias:
+        raise CheckpointError("model.o_bias=True without qk_norm: Qwen2 has no output bias")
+    model_type = "qwen3" if config.qk_norm else "qwen2"
+    arch = "Qwen3ForCausalLM" if config.qk_norm else "Qwen2ForCausalLM"
+    hf = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": config.dtype,
+        "torch_dtype": config.dtype,
+    }
+    if config.qk_norm:
+        hf["attention_bias"] = config.qkv_bias
+    return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """How one HF tensor maps to one model parameter."""
+
+    hf_name: str
+    path: tuple
+    to_model: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.T)
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _tensor_map(config: ModelConfig) -> list[_Tensor]:
+    """Every parameter of the model with its HF name and layout conversions."""
+    e, h, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+
+    def heads_in(n):  # HF [n*d, e] -> ours [e, n, d]
+        return (lambda w: _transpose(w).reshape(e, n, d), lambda w: _transpose(w.reshape(e, -1)))
+
+    def bias(n):  # HF [n*d] -> ours [n, d]
+        return (lambda b: b.reshape(n, d), lambda b: b.reshape(-1))
+
+    o_in = (lambda w: _transpose(w).reshape(h, d, e), lambda w: _transpose(w.reshape(h * d, e)))
+    same = (_identity, _identity)
+    linear = (_transpose, _transpose)
+
+    table = [("model.embed_tokens.weight", ("embed",), same)]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", ("blocks", i)
+        table += [
+            (f"{hf}.input_layernorm.weight", (*ours, "attn_norm", "scale"), same),
+            (f"{hf}.post_attention_layernorm.weight", (*ours, "mlp_norm", "scale"), same),
+            (f"{hf}.self_attn.q_proj.weight", (*ours, "attn", "q"), heads_in(h)),
+            (f"{hf}.self_attn.k_proj.weight", (*ours, "attn", "k"), heads_in(kv)),
+            (f"{hf}.self_attn.v_proj.weight", (*ours, "attn", "v"), heads_in(kv)),
+            (f"{hf}.self_attn.o_proj.weight", (*ours, "attn", "o"), o_in),
+            *(
+                [(f"{hf}.self_attn.o_proj.bias", (*ours, "attn", "o_bias"), same)]
+                if config.o_bias
+                else []
+            ),
+            (f"{hf}.mlp.gate_proj.weight", (*ours, "mlp", "gate"), linear),
+            (f"{hf}.mlp.up_proj.weight", (*ours, "mlp", "up"), linear),
+            (f"{hf}.mlp.down_proj.weight", (*ours, "mlp", "down"), linear),
+        ]
+        if config.qkv_bias:
+            table += [
+                (f"{hf}.self_attn.q_proj.bias", (*ours, "attn", "q_bias"), bias(h)),
+                (f"{hf}.self_attn.k_proj.bias", (*ours, "attn", "k_bias"), bias(kv)),
+                (f"{hf}.self_attn.v_proj.bias", (*ours, "attn", "v_bias"), bias(kv)),
+            ]
+        if config.qk_norm:
+            table += [
+                (f"{hf}.self_attn.q_norm.weight", (*ours, "attn", "q_norm", "scale"), same),
+                (f"{hf}.self_attn.k_norm.weight", (*ours, "attn", "k_norm", "scale"), same),
+            ]
+    table.append(("model.norm.weight", ("final_norm", "scale"), same))
+    if not config.tie_embeddings:
+        table.append(("lm_head.weight", ("lm_head",), linear))
+    return [_Tensor(name, path, fwd, back) for name, path, (fwd, back) in table]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_model_config(directory: str | os.PathLike, **overrides) -> ModelConfig:
+    """The `ModelConfig` of an HF checkpoint directory (plus `overrides`)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    path = directory / CONFIG_FILE
+    return model_config_from_hf(_read_json(path), str(path), **overrides)
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing 'weight_map'")
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / SINGLE_FILE
+    if not single.exists():
+        raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    try:
+        with safe_open(single, framework="numpy") as f:
+            return dict.fromkeys(f.keys(), single)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from None
+
+
+def _read_tensors(files: dict[str, Path], names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(names):
+        by_file.setdefault(files[name], []).append(name)
+    for path, file_names in by_file.items():
+        try:
+            with safe_open(path, framework="numpy") as f:
+                available = set(f.keys())
+                for name in file_names:
+                    if name not in available:
+                        raise CheckpointError(f"{path}: index lists {name} but the file lacks it")
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def load_hf(
+    directory: str | os.PathLike,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules | None = None,
+    **overrides,
+) -> Transformer:
+    """Loads an HF Qwen2/Qwen3 checkpoint.
+
+    Args:
+      directory: holds `config.json` and the safetensors file(s).
+      mesh, rules: place each parameter directly with its sharding (default: one device).
+      **overrides: `ModelConfig` fields to override (e.g. `dtype`, `attention`).
+
+    Returns:
+      The model, parameters in `config.dtype`.
+
+    Raises:
+      CheckpointError: naming the file and tensor at fault.
+    """
+    directory = Path(directory)
+    config = read_model_config(directory, **overrides)
+    files = _tensor_files(directory)
+    table = _tensor_map(config)
+    wanted = {t.hf_name for t in table}
+    missing = sorted(wanted - set(files))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(
+        name
+        for name in set(files) - wanted
+        if not name.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_embeddings and name == "lm_head.weight")
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{directory}: unexpected tensor {unexpected[0]} for this config.json "
+            f"({len(unexpected)} unexpected)"
+        )
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(abstract_state))
+    by_name = {t.hf_name: t for t in table}
+    loaded = {}
+    for name, array in _read_tensors(files, wanted):
+        spec = by_name[name]
+        variable = variables[spec.path]
+        value = spec.to_model(array)
+        if value.shape != variable.get_value().shape:
+            raise CheckpointError(
+                f"{files[name]}: tensor {name} has shape {array.shape}, which does not fit "
+                f"the parameter shape {variable.get_value().shape} implied by config.json"
+            )
+        value = value.astype(variable.get_value().dtype)
+        if mesh is not None:
+            axes = variable.get_metadata().get("logical_axes") or (None,) * value.ndim
+            spec_ = logical_to_spec(axes, rules or (), value.shape, dict(mesh.shape))
+            array_on_device = jax.device_put(value, jax.sharding.NamedSharding(mesh, spec_))
+        else:
+            array_on_device = jax.device_put(value)
+        loaded[spec.path] = variable.replace(array_on_device)
+    state = nnx.from_flat_state(sorted(loaded.items()))
+    return nnx.merge(graphdef, state)
+
+
+def export_hf(
+    model: Transformer, directory: str | os.PathLike, *, max_shard_bytes: int = 2 << 30
+) -> Path:
+    """Writes `model` as an HF checkpoint (config.json + safetensors, sharded if large).
+
+    Files are written under temporary names and renamed, and `config.json` is written
+    last, so a crash never leaves a directory that loads as a valid but partial checkpoint.
+
+    Returns:
+      The checkpoint directory.
+    """
+    config = model.config
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    np_dtype = ml_dtypes.bfloat16 if config.dtype == "bfloat16" else np.float32
+    tensors = {}
+    for spec in _tensor_map(config):
+        value = np.asarray(jax.device_get(variables[spec.path].get_value()))
+        tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(value).astype(np_dtype))
+    if not config.qk_norm and not config.qkv_bias:  # Qwen2 layout wants q/k/v biases.
+        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+        for i in range(config.num_layers):
+            for proj, heads in (("q", h), ("k", kv), ("v", kv)):
+                name = f"model.layers.{i}.self_attn.{proj}_proj.bias"
+                tensors[name] = np.zeros((heads * d,), np_dtype)
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+
+    # config.json goes first and comes back last: it marks a complete checkpoint.
+    old = [CONFIG_FILE, SINGLE_FILE, INDEX_FILE]
+    old += [p.name for p in directory.glob("model-*.safetensors")]
+    for stale in old:
+        (directory / stale).unlink(missing_ok=True)
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        tmp = directory / f".{name}.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, directory / name)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+        }
+        _write_json(directory / INDEX_FILE, index)
+    _write_json(directory / CONFIG_FILE, hf_config_from_model(config))
+    return directory
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)

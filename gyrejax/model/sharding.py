@@ -1,0 +1,104 @@
+"""Sharding as data: logical axis names in model code, mapped to mesh axes by rules.
+
+Every parameter carries its logical axes (`nnx.Param(..., logical_axes=("embed", "mlp"))`);
+activations are constrained with `constrain(x, ("batch", "length", "embed"))`. A rule set
+(`gyrejax.config.TRAIN_SHARDING_RULES`, `SAMPLE_SHARDING_RULES`) maps logical names to
+mesh axes. A dimension that a mesh axis does not divide evenly stays replicated, so tiny
+test models shard on any mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gyrejax.config import ShardingRules
+
+_ACTIVE_RULES: contextvars.ContextVar[ShardingRules | None] = contextvars.ContextVar(
+    "gyrejax_sharding_rules", default=None
+)
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: ShardingRules,
+    shape: Sequence[int] | None = None,
+    mesh_shape: dict[str, int] | None = None,
+) -> PartitionSpec:
+    """Maps logical axis names to a `PartitionSpec`.
+
+    Args:
+      logical_axes: one name (or None) per array dimension.
+      rules: (logical, mesh axis or None) pairs; unnamed logical axes are replicated.
+      shape: the array shape; with `mesh_shape`, a dimension the mesh axis does not
+        divide is left replicated.
+      mesh_shape: mesh axis name -> size.
+
+    Returns:
+      A PartitionSpec that uses each mesh axis at most once.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(logical_axes):
+        axis = table.get(name) if name is not None else None
+        if axis is not None and axis in used:
+            axis = None
+        if axis is not None and shape is not None and mesh_shape is not None:
+            if shape[dim] % mesh_shape[axis]:
+                axis = None
+        if axis is not None:
+            used.add(axis)
+        spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def _param_logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    axes = variable.get_metadata().get("logical_axes")
+    if axes is None:
+        return (None,) * variable.get_value().ndim
+    return tuple(axes)
+
+
+def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules: ShardingRules) -> nnx.State:
+    """NamedSharding for every variable of an `nnx.State`, from its logical axes."""
+    mesh_shape = dict(mesh.shape)
+
+    def to_sharding(variable: nnx.Variable) -> NamedSharding:
+        spec = logical_to_spec(
+            _param_logical_axes(variable), rules, variable.get_value().shape, mesh_shape
+        )
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(to_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: ShardingRules) -> None:
+    """Places every parameter of `model` on `mesh` according to `rules`, in place."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+
+
+@contextlib.contextmanager
+def axis_rules(rules: ShardingRules | None) -> Iterator[None]:
+    """Activates `rules` for `constrain` while a function is traced."""
+    token = _ACTIVE_RULES.set(rules)
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical names; a no-op without active rules and mesh."""
+    rules = _ACTIVE_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return x
+    spec = logical_to_spec(logical_axes, rules, x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, spec)

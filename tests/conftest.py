@@ -1,0 +1,79 @@
+"""Test setup: fix the CPU-emulated device count once, before JAX starts.
+
+Tests that need another device count run in a subprocess.
+"""
+
+import os
+import pathlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # after JAX_PLATFORMS is set
+import pytest
+
+# Importing jax starts no backend; this must run before anything asks for devices.
+NUM_TEST_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Tiny HF checkpoints written by transformers, covering the Qwen variants we support:
+# name -> (model_type, extra config fields). All use grouped-query attention (4 q heads,
+# 2 kv heads) unless noted.
+HF_VARIANTS = {
+    "qwen3": ("qwen3", dict(attention_bias=False, tie_word_embeddings=False)),
+    "qwen3_tied_bias": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen2_tied_mha": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+}
+
+
+def write_hf_checkpoint(directory: pathlib.Path, variant: str, seed: int = 0) -> pathlib.Path:
+    """Writes a random tiny Qwen checkpoint with transformers (norms and biases randomised
+    too, so a mapping mistake cannot hide behind ones and zeros)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    model_type, extra = HF_VARIANTS[variant]
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=50000.0,  # not the default, so a dropped theta shows
+        rms_norm_eps=1e-6,
+    )
+    fields.update(extra)
+    torch.manual_seed(seed)
+    if model_type == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **fields))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """name -> directory of a tiny random HF checkpoint (see HF_VARIANTS)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: write_hf_checkpoint(root / name, name) for name in HF_VARIANTS}
+
+
+def load_config_file(name: str, variant: str | None = None):
+    """`get_config(variant)` of `configs/<name>.py`, loaded by path like ml_collections."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"configs_{name}", REPO_ROOT / "configs" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)

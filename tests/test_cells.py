@@ -1,0 +1,27 @@
+"""Cells: ordered, equal groups of devices, each with its own (fsdp x tensor) mesh."""
+
+import jax
+import pytest
+
+from gyrejax.cells import split_into_cells
+from gyrejax.config import CellsConfig, ConfigError
+
+
+def test_eight_devices_in_four_cells_of_two():
+    cells = split_into_cells(CellsConfig(size=2, fsdp=1, tensor=2))
+    assert [c.index for c in cells] == [0, 1, 2, 3]
+    assert cells[0].is_core and not cells[1].is_core
+    assert [[d.id for d in c.devices] for c in cells] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dict(cells[2].mesh.shape) == {"fsdp": 1, "tensor": 2}
+    assert set(cells[2].mesh.devices.flat) == set(cells[2].devices)
+
+
+def test_one_cell_of_all_devices():
+    (cell,) = split_into_cells(CellsConfig(size=8, fsdp=4, tensor=2))
+    assert dict(cell.mesh.shape) == {"fsdp": 4, "tensor": 2}
+    assert len(cell.devices) == len(jax.devices())
+
+
+def test_cell_size_must_divide_the_devices():
+    with pytest.raises(ConfigError, match=r"config\.cells\.size=3: must divide the device count 8"):
+        split_into_cells(CellsConfig(size=3, fsdp=3, tensor=1))

@@ -1,0 +1,59 @@
+"""Configuration: defaults, the config files, and one clear error per bad value."""
+
+import dataclasses
+
+import pytest
+from conftest import load_config_file
+
+from gyrejax.config import Config, ConfigError, from_dict
+
+
+def test_defaults_and_tiny_config_build():
+    assert isinstance(from_dict({}), Config)
+    config = from_dict(load_config_file("tiny_cpu"))
+    assert config.cells.num_cpu_devices == 8 and config.cells.size == 2
+    assert config.model.head_dim == 64
+    assert from_dict(load_config_file("tiny_cpu", "smoke")).model.num_layers == 2
+
+
+def test_values_are_coerced_to_field_types():
+    config = from_dict({"model": {"rope_theta": 10000}, "generate": {"prompts": [[1, 2]]}})
+    assert isinstance(config.model.rope_theta, float)
+    assert config.generate.prompts == ((1, 2),)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"model": {"num_layers": -1}}, r"config\.model\.num_layers=-1: expected a positive"),
+        ({"model": {"hidden_size": 0}}, r"config\.model\.hidden_size=0"),
+        ({"model": {"num_heads": 4, "num_kv_heads": 3}}, r"config\.model\.num_kv_heads=3"),
+        ({"model": {"dtype": "float8"}}, r"config\.model\.dtype='float8': expected one of"),
+        ({"model": {"attention": "flash"}}, r"config\.model\.attention='flash'"),
+        ({"model": {"hiden_size": 3}}, r"config\.model\.hiden_size: unknown key"),
+        ({"modle": {}}, r"config\.modle: unknown key"),
+        ({"model": {"num_layers": "two"}}, r"config\.model\.num_layers='two': expected an integer"),
+        ({"model": {"qk_norm": 1}}, r"config\.model\.qk_norm=1: expected true or false"),
+        ({"cells": {"size": 3, "fsdp": 3, "num_cpu_devices": 8}}, r"must divide the device count"),
+        ({"cells": {"size": 2, "fsdp": 1, "tensor": 1}}, r"config\.cells\.size=2: must equal"),
+        ({"rl": {"loss": "dpo"}}, r"config\.rl\.loss='dpo': expected one of ppo, grpo"),
+        ({"rl": {"advantage": "gae"}}, r"config\.rl\.advantage='gae'"),
+        ({"scheduler": {"policy": "random"}}, r"config\.scheduler\.policy='random'"),
+        ({"train": {"learning_rate": -1.0}}, r"config\.train\.learning_rate=-1\.0"),
+        ({"generate": {"prompts": [[]]}}, r"config\.generate\.prompts"),
+        ({"generate": {"prompts": [[600]]}}, r"token 600 >= model\.vocab_size=512"),
+        (
+            {"train": {"sharding_rules": [["embed", "data"]]}},
+            r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
+        ),
+    ],
+)
+def test_bad_values_name_the_field_and_value(values, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(values)
+
+
+def test_config_is_frozen():
+    config = from_dict({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model.num_layers = 3

@@ -1,0 +1,69 @@
+"""End-to-end smoke test of the real launch path, and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO_ROOT, load_config_file
+
+from gyrejax.config import from_dict
+from gyrejax.model.sampling import generate
+from gyrejax.model.transformer import init_model
+
+
+def launch(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "gyrejax.launch", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_launch_tiny_cpu_smoke(tmp_path):
+    result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    layout = json.loads((tmp_path / "layout.json").read_text())
+    assert layout["num_devices"] == 8
+    assert [c["devices"] for c in layout["cells"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(c["mesh"] == {"fsdp": 2, "tensor": 1} for c in layout["cells"])
+    assert "cell 0 (core)" in result.stderr
+
+    config = from_dict(load_config_file("tiny_cpu", "smoke"))
+    assert layout["model"]["num_params"] == config.model.num_params
+    records = [
+        json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()
+    ]
+    # The sharded run on the core cell equals an unsharded in-process run.
+    prompts = [list(p) for p in config.generate.prompts]
+    want = generate(
+        init_model(config.model), prompts, max_new_tokens=config.generate.max_new_tokens
+    )
+    assert [r["prompt_ids"] for r in records] == prompts
+    for record, expected in zip(records, want, strict=True):
+        assert record["token_ids"] == expected.token_ids
+        np.testing.assert_allclose(record["logprobs"], expected.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--config.model.num_layers=-1", "config.model.num_layers=-1: expected a positive integer"),
+        ("--config.cells.size=3", "config.cells.size=3: must equal cells.fsdp * cells.tensor"),
+        ("--config.rl.loss=nope", "config.rl.loss='nope': expected one of"),
+        ("--config.model.hidden=3", "--config.model.hidden=3: unknown config key 'hidden'"),
+        ("--config.model.hf_checkpoint=/no/such/dir", "/no/such/dir: not a directory"),
+    ],
+)
+def test_bad_config_exits_with_one_clear_line(tmp_path, override, message):
+    result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(tmp_path), override)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gyrejax.launch: ") and message in last, last
