@@ -1,0 +1,69 @@
+"""Group-relative advantage estimators, registered by name.
+
+An estimator maps the rewards of one group (float64[n], n >= 1) to one advantage per
+execution (float64[n]). Pick one by name in `process(..., advantage=name)`; add one with
+`@register_advantage("name")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+AdvantageFn = Callable[[np.ndarray], np.ndarray]
+
+GRPO_EPS = 1e-6
+
+_REGISTRY: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering `fn(rewards: float64[n]) -> float64[n]` under `name`."""
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def known_advantages() -> list[str]:
+    """Names of the registered estimators."""
+    return sorted(_REGISTRY)
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    """Looks an estimator up by name (ValueError listing the known names if absent)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; known: {known_advantages()}"
+        ) from None
+
+
+@register_advantage("grpo")
+def grpo(rewards: np.ndarray) -> np.ndarray:
+    """(r - mean) / (std + eps), population std over the group."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return (r - r.mean()) / (r.std() + GRPO_EPS)
+
+
+@register_advantage("mean_centered")
+def mean_centered(rewards: np.ndarray) -> np.ndarray:
+    """r - group mean (Dr. GRPO style: no std normalisation)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return r - r.mean()
+
+
+@register_advantage("rloo")
+def rloo(rewards: np.ndarray) -> np.ndarray:
+    """r_i - mean of the other members' rewards; 0 for a group of one."""
+    r = np.asarray(rewards, dtype=np.float64)
+    n = len(r)
+    if n < 2:
+        return np.zeros_like(r)
+    return r - (r.sum() - r) / (n - 1)

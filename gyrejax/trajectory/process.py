@@ -1,0 +1,329 @@
+"""The trajectory pipeline: executions -> one packed, weighted batch of micro-steps.
+
+validation -> status handling -> tree -> admission -> group-relative advantages ->
+loss weights -> packing -> micro-steps. Pure NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from gyrejax.trajectory.admission import admission_rng, admit_paths
+from gyrejax.trajectory.advantages import get_advantage
+from gyrejax.trajectory.microsteps import assign_micro_steps, row_costs
+from gyrejax.trajectory.packing import ForestLayout, assemble_rows, plan_rows
+from gyrejax.trajectory.records import (
+    Execution,
+    check_token_range,
+    check_unique_ids,
+    validate_calls,
+    validate_for_training,
+)
+from gyrejax.trajectory.tree import build_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class PackStats:
+    """Counts and ratios of one `process` call (token counts are over used executions).
+
+    naive_tokens (N) is what call-by-call training would process: the sum over calls of
+    len(prompt) + len(output). unique_tokens (U) are tree tokens; admitted_tokens the
+    tokens of the admitted forests; packed_tokens = rows * row_length, of which
+    padding_tokens are padding (padding rows included) and repeated_tokens are ancestor
+    context repeated because a tree spans several rows.
+    """
+
+    executions_in: int
+    executions_used: int
+    executions_dropped: int
+    placeholders: int
+    executions_trained: int
+    groups: int
+    calls: int
+    naive_tokens: int
+    unique_tokens: int
+    generated_tokens: int
+    trainable_tokens: int
+    admitted_tokens: int
+    admitted_trainable_tokens: int
+    paths_admitted: int
+    rows: int
+    padding_rows: int
+    micro_steps: int
+    packed_tokens: int
+    padding_tokens: int
+    repeated_tokens: int
+    waste_fraction: float
+    naive_over_unique: float
+    naive_over_admitted: float
+
+    def as_dict(self) -> dict[str, int | float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Packed rows of one training step; every array is [rows, row_length].
+
+    Key k of a row is visible to query q iff k <= q < subtree_end[k]. Rows are ordered
+    so that micro-step m is rows [m * rows_per_micro_step, (m + 1) * rows_per_micro_step).
+
+    Attributes:
+      tokens: int32 token ids (pad_id on padding).
+      positions: int32 depth of each token in its path (0 on padding).
+      subtree_end: int32 row index one past each token's subtree (i + 1 on padding).
+      pred_index: int32 row index whose logits predict this token (-1 if none).
+      loss_weight: float32 > 0 exactly on trained tokens; sums to 1 over the batch.
+      advantage: float32 the execution's group-relative advantage on all its tokens.
+      behavior_logprob: float32 sampling logprob of trained tokens (0 elsewhere).
+      version: int32 sampling policy version of trained tokens (0 elsewhere).
+      execution_index: int32 index into `execution_ids` (-1 on padding).
+      execution_ids: the used executions, in input order.
+      execution_advantage: float32[E] advantage of each used execution.
+      execution_reward: float32[E] reward of each used execution (0 for placeholders).
+      rows_per_micro_step: R.
+      stats: `PackStats`.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    subtree_end: np.ndarray
+    pred_index: np.ndarray
+    loss_weight: np.ndarray
+    advantage: np.ndarray
+    behavior_logprob: np.ndarray
+    version: np.ndarray
+    execution_index: np.ndarray
+    execution_ids: tuple[str, ...]
+    execution_advantage: np.ndarray
+    execution_reward: np.ndarray
+    rows_per_micro_step: int
+    stats: PackStats
+
+    _ROW_FIELDS = (
+        "tokens",
+        "positions",
+        "subtree_end",
+        "pred_index",
+        "loss_weight",
+        "advantage",
+        "behavior_logprob",
+        "version",
+        "execution_index",
+    )
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def row_length(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def num_micro_steps(self) -> int:
+        return self.num_rows // self.rows_per_micro_step
+
+    def micro_step(self, m: int) -> dict[str, np.ndarray]:
+        """The per-token arrays of micro-step m, each [rows_per_micro_step, row_length]."""
+        if not 0 <= m < self.num_micro_steps:
+            raise IndexError(f"micro-step {m} out of range [0, {self.num_micro_steps})")
+        sl = slice(m * self.rows_per_micro_step, (m + 1) * self.rows_per_micro_step)
+        return {name: getattr(self, name)[sl] for name in self._ROW_FIELDS}
+
+
+def _padding_rows(name: str, n: int, row_length: int, pad_id: int, dtype: np.dtype) -> np.ndarray:
+    """n all-padding rows of field `name` (see `PackedBatch` for the padding values)."""
+    if name == "subtree_end":
+        return np.broadcast_to(np.arange(1, row_length + 1, dtype=dtype), (n, row_length))
+    fill = {"tokens": pad_id, "pred_index": -1, "execution_index": -1}.get(name, 0)
+    return np.full((n, row_length), fill, dtype=dtype)
+
+
+def _check_args(
+    row_length: int,
+    j_max: int | None,
+    rows_per_micro_step: int,
+    vocab_size: int | None,
+    eval_retry_budget: int,
+    pad_id: int,
+) -> None:
+    def is_int(x: object) -> bool:
+        return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+    if not is_int(row_length) or row_length < 1:
+        raise ValueError(f"row_length must be an int >= 1, got {row_length!r}")
+    if j_max is not None and (not is_int(j_max) or j_max < 1):
+        raise ValueError(f"j_max must be an int >= 1 or None, got {j_max!r}")
+    if not is_int(rows_per_micro_step) or rows_per_micro_step < 1:
+        raise ValueError(f"rows_per_micro_step must be an int >= 1, got {rows_per_micro_step!r}")
+    if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
+        raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+    if not is_int(eval_retry_budget) or eval_retry_budget < 0:
+        raise ValueError(f"eval_retry_budget must be an int >= 0, got {eval_retry_budget!r}")
+    if not is_int(pad_id) or not -(2**31) <= pad_id < 2**31:
+        raise ValueError(f"pad_id must be an int32, got {pad_id!r}")
+
+
+def process(
+    executions: Sequence[Execution],
+    *,
+    row_length: int,
+    j_max: int | None = 5,
+    seed: int = 0,
+    advantage: str = "grpo",
+    rows_per_micro_step: int = 1,
+    vocab_size: int | None = None,
+    eval_retry_budget: int = 3,
+    pad_id: int = 0,
+) -> PackedBatch:
+    """Turns finished executions into one packed batch.
+
+    Args:
+      executions: the step's executions (unique ids).
+      row_length: L, tokens per row. Every call's prompt + output must fit in L.
+      j_max: most root-to-leaf paths admitted per execution; None = all.
+      seed: admission seed (per execution: seed and crc32 of its id).
+      advantage: name of a registered group-relative estimator ("grpo", "rloo", ...).
+      rows_per_micro_step: R; the row count is padded to a multiple of R.
+      vocab_size: if given, every token id must lie in [0, vocab_size).
+      eval_retry_budget: eval_failed executions with at least this many evaluation
+        attempts are dropped; with fewer, `process` refuses them.
+      pad_id: token id written on padding.
+
+    Returns:
+      A `PackedBatch`.
+
+    Raises:
+      ValueError naming the execution (and call) for any invalid record.
+    """
+    _check_args(row_length, j_max, rows_per_micro_step, vocab_size, eval_retry_budget, pad_id)
+    estimator = get_advantage(advantage)
+    executions = list(executions)
+    check_unique_ids(executions)
+
+    # Validation and status handling.
+    used: list[Execution] = []
+    rewards: list[float] = []
+    dropped = placeholders = 0
+    for ex in executions:
+        validate_calls(ex, vocab_size)
+        decision = validate_for_training(ex, eval_retry_budget)
+        if decision == "drop":
+            for call in ex.calls:
+                where = f"execution {ex.execution_id!r} call {call.call_id}"
+                check_token_range(call.prompt_ids, vocab_size, where, "prompt_ids")
+            dropped += 1
+            continue
+        for call in ex.calls:
+            if call.length > row_length:
+                raise ValueError(
+                    f"execution {ex.execution_id!r} call {call.call_id}: context length "
+                    f"{call.length} (prompt {len(call.prompt_ids)} + output "
+                    f"{len(call.output_ids)}) > row_length {row_length}; a token can only "
+                    f"be trained with its full context in one row"
+                )
+        placeholders += decision == "placeholder"
+        used.append(ex)
+        rewards.append(0.0 if decision == "placeholder" else float(ex.reward))  # type: ignore[arg-type]
+
+    # Group-relative advantages over every used execution of a group.
+    groups: dict[str, list[int]] = {}
+    for i, ex in enumerate(used):
+        groups.setdefault(ex.group_id, []).append(i)
+    reward_arr = np.asarray(rewards, dtype=np.float64)
+    adv_arr = np.zeros(len(used), dtype=np.float64)
+    for members in groups.values():
+        adv_arr[members] = estimator(reward_arr[members])
+    if not np.all(np.isfinite(adv_arr)):
+        raise ValueError(f"advantage estimator {advantage!r} returned non-finite values")
+
+    # Trees, admission, layouts.
+    layouts: list[ForestLayout] = []
+    layout_exec: list[int] = []
+    naive = unique = generated = trainable = paths = num_calls = 0
+    for i, ex in enumerate(used):
+        num_calls += len(ex.calls)
+        if not ex.calls:
+            continue
+        tree = build_tree(list(ex.calls), ex.execution_id, vocab_size)
+        naive += sum(c.length for c in ex.calls)
+        generated += sum(len(c.output_ids) for c in ex.calls)
+        unique += tree.num_tokens
+        trainable += int(tree.trainable.sum())
+        admitted, leaves = admit_paths(tree, j_max, admission_rng(seed, ex.execution_id))
+        paths += len(leaves)
+        if admitted.any():
+            layouts.append(ForestLayout.build(tree, admitted))
+            layout_exec.append(i)
+
+    # Loss weights: mean over trained tokens per execution, then mean over executions.
+    counts = [int(lay.trainable.sum()) for lay in layouts]
+    trained_execs = sum(c > 0 for c in counts)
+    token_weight = [1.0 / c / trained_execs if c else 0.0 for c in counts]
+
+    rows, units = plan_rows(layouts, row_length)
+    arrays = assemble_rows(
+        layouts,
+        rows,
+        units,
+        row_length=row_length,
+        execution_index=layout_exec,
+        token_weight=token_weight,
+        advantage=[float(adv_arr[i]) for i in layout_exec],
+        pad_id=pad_id,
+    )
+    order = assign_micro_steps(
+        row_costs(arrays.subtree_end, arrays.execution_index), rows_per_micro_step
+    )
+    num_real_rows = len(rows)
+    extra = len(order) - num_real_rows
+    fields = {}
+    for name in PackedBatch._ROW_FIELDS:
+        a = getattr(arrays, name)
+        if extra:
+            a = np.concatenate([a, _padding_rows(name, extra, row_length, pad_id, a.dtype)])
+        a = a[order]
+        a.flags.writeable = False
+        fields[name] = a
+
+    admitted_tokens = sum(lay.num_tokens for lay in layouts)
+    total_rows = len(order)
+    packed = total_rows * row_length
+    real = int((fields["execution_index"] >= 0).sum())
+    stats = PackStats(
+        executions_in=len(executions),
+        executions_used=len(used),
+        executions_dropped=dropped,
+        placeholders=placeholders,
+        executions_trained=trained_execs,
+        groups=len(groups),
+        calls=num_calls,
+        naive_tokens=naive,
+        unique_tokens=unique,
+        generated_tokens=generated,
+        trainable_tokens=trainable,
+        admitted_tokens=admitted_tokens,
+        admitted_trainable_tokens=sum(counts),
+        paths_admitted=paths,
+        rows=total_rows,
+        padding_rows=total_rows - num_real_rows,
+        micro_steps=total_rows // rows_per_micro_step,
+        packed_tokens=packed,
+        padding_tokens=packed - real,
+        repeated_tokens=arrays.repeated_tokens,
+        waste_fraction=(packed - admitted_tokens) / packed if packed else 0.0,
+        naive_over_unique=naive / unique if unique else 0.0,
+        naive_over_admitted=naive / admitted_tokens if admitted_tokens else 0.0,
+    )
+    return PackedBatch(
+        **fields,
+        execution_ids=tuple(ex.execution_id for ex in used),
+        execution_advantage=adv_arr.astype(np.float32),
+        execution_reward=reward_arr.astype(np.float32),
+        rows_per_micro_step=rows_per_micro_step,
+        stats=stats,
+    )
