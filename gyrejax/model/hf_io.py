@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gyrejax.config import ConfigError, ModelConfig, ShardingRules
-from gyrejax.model.sharding import logical_to_spec
+from gyrejax.model.sharding import logical_axes_of, logical_to_spec
 from gyrejax.model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -310,7 +310,7 @@ def load_hf(
             )
         value = value.astype(variable.get_value().dtype)
         if mesh is not None:
-            axes = variable.get_metadata().get("logical_axes") or (None,) * value.ndim
+            axes = logical_axes_of(variable)
             spec_ = logical_to_spec(axes, rules or (), value.shape, dict(mesh.shape))
             array_on_device = jax.device_put(value, jax.sharding.NamedSharding(mesh, spec_))
         else:

@@ -14,7 +14,7 @@ import contextvars
 from collections.abc import Iterator, Sequence
 
 import jax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gyrejax.config import ShardingRules
@@ -58,30 +58,34 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def _param_logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+def logical_axes_of(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axes a parameter was created with (None per dimension if unnamed)."""
     axes = variable.get_metadata().get("logical_axes")
-    if axes is None:
-        return (None,) * variable.get_value().ndim
-    return tuple(axes)
+    return tuple(axes) if axes is not None else (None,) * variable.get_value().ndim
 
 
-def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules: ShardingRules) -> nnx.State:
-    """NamedSharding for every variable of an `nnx.State`, from its logical axes."""
+def partition_specs(state: nnx.State, mesh: jax.sharding.Mesh, rules: ShardingRules) -> dict:
+    """PartitionSpec of every variable, as a pure nested dict (`nnx.to_pure_dict` layout)."""
     mesh_shape = dict(mesh.shape)
+    flat = {
+        path: logical_to_spec(logical_axes_of(v), rules, v.get_value().shape, mesh_shape)
+        for path, v in nnx.to_flat_state(state)
+    }
+    return traverse_util.unflatten_dict(flat)
 
-    def to_sharding(variable: nnx.Variable) -> NamedSharding:
-        spec = logical_to_spec(
-            _param_logical_axes(variable), rules, variable.get_value().shape, mesh_shape
-        )
-        return NamedSharding(mesh, spec)
 
-    return jax.tree.map(to_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def named_shardings(specs, mesh: jax.sharding.Mesh):
+    """NamedSharding on `mesh` for every PartitionSpec of a pytree."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
 
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: ShardingRules) -> None:
     """Places every parameter of `model` on `mesh` according to `rules`, in place."""
     state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    shardings = named_shardings(partition_specs(state, mesh, rules), mesh)
+    nnx.update(model, jax.device_put(nnx.to_pure_dict(state), shardings))
 
 
 @contextlib.contextmanager
