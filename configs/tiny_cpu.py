@@ -17,6 +17,8 @@ Variants:
 
 from ml_collections import config_dict
 
+from gyrejax.config import SAMPLE_SHARDING_RULES, TRAIN_SHARDING_RULES
+
 
 def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c = config_dict.ConfigDict()
@@ -40,8 +42,11 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.model.num_kv_heads = 2
     c.model.head_dim = 64
     c.model.rope_theta = 10_000.0
+    c.model.rms_norm_eps = 1e-6
+    c.model.max_position_embeddings = 32768
     c.model.qk_norm = True
     c.model.qkv_bias = False
+    c.model.o_bias = False
     c.model.tie_embeddings = True
     c.model.dtype = "float32"
     c.model.attention = "dense"
@@ -55,18 +60,28 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.max_slots = 8
     c.rollout.max_seq_len = 2048
     c.rollout.temperature = 1.0
+    c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
 
-    # Training.
+    # Training. With executions_dir set, launch trains on that execution store (SFT or
+    # RL by rl.loss) on every cell, checkpointing into --workdir and resuming from it.
     c.train = config_dict.ConfigDict()
     c.train.steps = 8
+    c.train.executions_dir = ""
     c.train.learning_rate = 1e-4
     c.train.row_length = 2048
     c.train.rows_per_micro_step = 1
+    c.train.max_grad_norm = 1.0
+    c.train.weight_decay = 0.0
+    c.train.sharding_rules = TRAIN_SHARDING_RULES
 
     # RL objective and trajectory processing.
     c.rl = config_dict.ConfigDict()
-    c.rl.loss = "ppo"
-    c.rl.advantage = "grpo"
+    c.rl.loss = "ppo"  # ppo | grpo | tis | sft
+    c.rl.advantage = "grpo"  # grpo | mean_centered | rloo
+    c.rl.clip_low = 0.2
+    c.rl.clip_high = 0.28
+    c.rl.tis_cap = 2.0
+    c.rl.kl_coef = 0.0
     c.rl.group_size = 4
     c.rl.groups_per_step = 2
     c.rl.j_max = 5

@@ -222,15 +222,17 @@ class TrainConfig:
     """Trainer (consumed by gyrejax/train)."""
 
     steps: int = 1
+    executions_dir: str = ""  # if set, launch trains on this execution store (SFT or RL)
     learning_rate: float = 1e-5
     row_length: int = 1024  # tokens per packed row.
     rows_per_micro_step: int = 1
     max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
     sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
 
     def __post_init__(self):
         _positive("train", self, "steps", "row_length", "rows_per_micro_step")
-        _non_negative("train", self, "learning_rate", "max_grad_norm")
+        _non_negative("train", self, "learning_rate", "max_grad_norm", "weight_decay")
         _check_rules("train", self.sharding_rules, MESH_AXES)
 
 
@@ -242,7 +244,8 @@ class RLConfig:
     advantage: str = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.28
-    kl_coef: float = 0.0  # KL to a reference policy; off by default.
+    tis_cap: float = 2.0  # truncated importance sampling: ratio capped at this value.
+    kl_coef: float = 0.0  # KL to a reference policy (the initial weights); off by default.
     group_size: int = 4  # executions per task (N).
     groups_per_step: int = 2  # B.
     j_max: int = 5  # admitted root-to-leaf paths per execution.
@@ -250,7 +253,11 @@ class RLConfig:
     def __post_init__(self):
         _one_of("rl", self, "loss", LOSSES)
         _one_of("rl", self, "advantage", ADVANTAGES)
-        _non_negative("rl", self, "clip_low", "clip_high", "kl_coef")
+        _non_negative("rl", self, "clip_low", "clip_high", "tis_cap", "kl_coef")
+        if self.clip_low >= 1:
+            _fail(
+                "rl.clip_low", self.clip_low, "expected < 1 (the ratio is clipped at 1 - clip_low)"
+            )
         _positive("rl", self, "group_size", "groups_per_step", "j_max")
 
 

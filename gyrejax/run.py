@@ -2,8 +2,12 @@
 
 Stages, in order; each exists only once its module does:
   1. layout: split the devices into cells, build or load the model on the core cell;
-  2. smoke generations: greedy decoding of `config.generate.prompts` with the KV cache.
-Outputs in `workdir`: `layout.json` and `generations.jsonl`.
+  2. smoke generations: greedy decoding of `config.generate.prompts` with the KV cache;
+  3. with `config.train.executions_dir`: SFT or RL steps on that execution store on all
+     cells, checkpointing into `workdir/checkpoints` and resuming from it
+     (`gyrejax.train.loop`).
+Outputs in `workdir`: `layout.json`, `generations.jsonl`, and from stage 3
+`metrics.jsonl`, `checkpoints/`, `hf/step_<n>/`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from gyrejax.model import sharding
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import Transformer, count_params, init_model
+from gyrejax.train.loop import train_on_store
 
 
 def build_model(config: Config, cell: Cell) -> Transformer:
@@ -102,4 +107,8 @@ def run(config: Config, workdir: str) -> dict:
                 float(np.mean(result.logprobs)),
             )
     logging.info("generated %d sequences in %.1f s", len(results), elapsed)
-    return {"layout": layout, "generations": [r.token_ids for r in results]}
+    summary = {"layout": layout, "generations": [r.token_ids for r in results]}
+
+    if config.train.executions_dir:
+        summary["train"] = train_on_store(config, cells, model, workdir)
+    return summary

@@ -1,6 +1,7 @@
 """Configuration: defaults, the config files, and one clear error per bad value."""
 
 import dataclasses
+import typing
 
 import pytest
 from conftest import load_config_file
@@ -57,3 +58,12 @@ def test_config_is_frozen():
     config = from_dict({})
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.model.num_layers = 3
+
+
+def test_tiny_config_lists_every_field_so_every_field_can_be_overridden():
+    config = load_config_file("tiny_cpu")
+    sections = typing.get_type_hints(Config)
+    for name, cls in sections.items():
+        if dataclasses.is_dataclass(cls):
+            listed, known = set(config[name].keys()), {f.name for f in dataclasses.fields(cls)}
+            assert listed == known, (name, known ^ listed)

@@ -1,0 +1,146 @@
+"""Training steps on a stored set of executions (SFT or RL), with checkpoints and resume.
+
+`train_on_store` is what `launch` runs when `config.train.executions_dir` is set: every
+cell trains (no rollout in this mode). Each step takes `rl.groups_per_step` groups from
+the execution store in a fixed order (cycling), processes them into a packed batch
+(admission seeded by `seed + step`, so a resumed run makes the same batches), and runs
+one elastic training step. Checkpoints go to `workdir/checkpoints` every
+`checkpoint.every_steps` steps and at the end, with the data position; an HF export of
+the weights goes to `workdir/hf/step_<n>`. Starting the same command again resumes from
+the latest checkpoint. Per-step metrics are appended to `workdir/metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from absl import logging
+
+from gyrejax.cells import Cell
+from gyrejax.config import Config, ConfigError
+from gyrejax.model.hf_io import export_hf
+from gyrejax.model.transformer import Transformer
+from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.train.trainer import ElasticTrainer, StepReport
+from gyrejax.trajectory import ExecutionStore, PackedBatch, process
+
+
+def batch_at(config: Config, store: ExecutionStore, group_ids: list[str], position: int, step: int):
+    """The packed batch of `rl.groups_per_step` groups starting at data `position`."""
+    groups = [group_ids[(position + i) % len(group_ids)] for i in range(config.rl.groups_per_step)]
+    executions = [ex for g in groups for ex in store.group(g)]
+    return process(
+        executions,
+        row_length=config.train.row_length,
+        j_max=config.rl.j_max,
+        seed=config.seed + step,
+        advantage=config.rl.advantage,
+        rows_per_micro_step=config.train.rows_per_micro_step,
+        vocab_size=config.model.vocab_size,
+    )
+
+
+def _metrics_record(report: StepReport, batch: PackedBatch, position: int, loss_name: str) -> dict:
+    return {
+        "step": report.step,
+        "version": report.version,
+        "objective": loss_name,
+        "skipped": report.skipped,
+        **report.metrics,
+        "cells": list(report.cells),
+        "micro_steps": batch.num_micro_steps,
+        "rows": int(batch.tokens.shape[0]),
+        "waste_fraction": batch.stats.waste_fraction,
+        "data_position": position,
+        "step_s": report.step_s,
+        "reduction_s": report.reduction_s,
+    }
+
+
+def _export(trainer: ElasticTrainer, workdir: Path, keep: int) -> None:
+    root = workdir / "hf"
+    export_hf(trainer.model(), root / f"step_{trainer.step}")
+    exports = sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    for old in exports[:-keep]:
+        shutil.rmtree(old)
+
+
+def _checkpoint(trainer, checkpointer, config: Config, workdir: Path, position: int) -> None:
+    trainer.save(checkpointer, {"data_position": position, "seed": config.seed})
+    if config.checkpoint.export_hf:
+        _export(trainer, workdir, config.checkpoint.keep)
+
+
+def _log_step(report: StepReport, batch: PackedBatch) -> None:
+    logging.info(
+        "step %d: loss %.4f, %d tokens, %d micro-steps on cells %s, %.2f s%s",
+        report.step,
+        report.metrics.get("loss", float("nan")),
+        int(report.metrics.get("tokens", 0)),
+        batch.num_micro_steps,
+        list(report.cells),
+        report.step_s,
+        f" (skipped: {report.skip_reason})" if report.skipped else "",
+    )
+
+
+def train_on_store(config: Config, cells: list[Cell], model: Transformer, workdir: str) -> dict:
+    """Runs `config.train.steps` steps on `config.train.executions_dir`; resumes if it can.
+
+    Returns a summary: steps run now, the final step and version, the last metrics.
+    """
+    workdir = Path(workdir)
+    if not Path(config.train.executions_dir).is_dir():
+        raise ConfigError(
+            f"config.train.executions_dir={config.train.executions_dir}: not a directory"
+        )
+    store = ExecutionStore(config.train.executions_dir)
+    group_ids = store.group_ids()
+    if not group_ids:
+        raise ValueError(
+            f"config.train.executions_dir={config.train.executions_dir!r}: no executions"
+        )
+    trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
+    for cell in cells[1:]:  # every cell trains in this mode; compile before the first step
+        trainer.join(cell)
+        trainer.precompile(cell)
+    checkpointer = TrainCheckpointer(workdir / "checkpoints", config.checkpoint)
+    position = 0
+    if checkpointer.latest_step() is not None:
+        meta = trainer.restore(checkpointer)
+        position = int(meta["data_position"])
+        logging.info("resumed from checkpoint step %d (data position %d)", trainer.step, position)
+
+    steps_run, last, empty_in_a_row = 0, {}, 0
+    saved_step = trainer.step
+    try:
+        with open(workdir / "metrics.jsonl", "a") as metrics_file:
+            while trainer.step < config.train.steps:
+                batch = batch_at(config, store, group_ids, position, trainer.step)
+                position += config.rl.groups_per_step
+                if batch.num_micro_steps == 0:
+                    empty_in_a_row += 1
+                    if empty_in_a_row * config.rl.groups_per_step > len(group_ids):
+                        raise ConfigError(
+                            f"config.train.executions_dir={store.root!s}: "
+                            "no group has trainable tokens"
+                        )
+                    logging.warning("step %d: its groups have no trainable tokens", trainer.step)
+                    continue
+                empty_in_a_row = 0
+                report = trainer.train_step(batch)
+                steps_run += 1
+                last = _metrics_record(report, batch, position, config.rl.loss)
+                metrics_file.write(json.dumps(last) + "\n")
+                metrics_file.flush()
+                _log_step(report, batch)
+                if trainer.step % config.checkpoint.every_steps == 0:
+                    _checkpoint(trainer, checkpointer, config, workdir, position)
+                    saved_step = trainer.step
+    finally:  # at exit, normal or not: keep every completed step
+        if trainer.step != saved_step:
+            _checkpoint(trainer, checkpointer, config, workdir, position)
+    checkpointer.close()
+    return {"steps_run": steps_run, "step": trainer.step, "version": trainer.version, "last": last}

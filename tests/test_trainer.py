@@ -1,0 +1,242 @@
+"""Elastic trainer: joins mid-step change nothing, rejoins never recompile, non-finite
+steps are skipped, checkpoints restore onto other layouts and resume exactly."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO_ROOT
+
+from gyrejax.cells import split_into_cells
+from gyrejax.config import CellsConfig, CheckpointConfig, ModelConfig, RLConfig, TrainConfig
+from gyrejax.model.transformer import init_model
+from gyrejax.train.checkpoint import TrainCheckpointer, restore_weights, save_weights
+from gyrejax.train.trainer import ElasticTrainer
+from gyrejax.trajectory import generate_executions, process
+
+VOCAB = 64
+MODEL = ModelConfig(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8,
+)  # fmt: skip
+ROW = 128
+TRAIN = TrainConfig(row_length=ROW, rows_per_micro_step=1, learning_rate=1e-3)
+
+
+def make_batch(seed=0, rows_per_micro_step=1):
+    executions = generate_executions(
+        3, 3, seed=seed, turns=(4, 10), vocab_size=VOCAB, system_prompt_tokens=10,
+        task_tokens=(3, 6), tool_output_tokens=(2, 10), model_output_tokens=(2, 10),
+        summary_tokens=(2, 5), compaction_budget=80, retry_prob=0.2, max_call_tokens=ROW,
+    )  # fmt: skip
+    # Behaviour log-probs near a uniform policy over the tiny vocab keep ratios sane.
+    rng = np.random.default_rng(seed)
+    executions = [
+        dataclasses.replace(
+            ex,
+            calls=[
+                dataclasses.replace(
+                    c,
+                    logprobs=(np.log(1 / VOCAB) + rng.normal(0, 0.1, len(c.output_ids))).astype(
+                        np.float32
+                    ),
+                    versions=np.zeros(len(c.output_ids), np.int32),
+                )
+                for c in ex.calls
+            ],
+        )
+        for ex in executions
+    ]
+    return process(executions, row_length=ROW, j_max=None, rows_per_micro_step=rows_per_micro_step)
+
+
+def cells(size=2, fsdp=2, tensor=1):
+    return split_into_cells(CellsConfig(size=size, fsdp=fsdp, tensor=tensor))
+
+
+def params_np(trainer):
+    return jax.tree.map(np.asarray, trainer.params)
+
+
+def assert_trees_close(a, b, rtol=1e-5):
+    def check(x, y):
+        scale = max(np.abs(y).max(), 1e-12)
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * scale)
+
+    jax.tree.map(check, a, b)
+
+
+def test_satellites_joining_mid_step_give_the_same_update():
+    batch = make_batch()
+    assert batch.num_micro_steps >= 6
+    all_cells = cells()
+    alone = ElasticTrainer(init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN)
+    ref = alone.train_step(batch)
+    assert ref.cells == (0,) and not ref.skipped
+
+    rng = np.random.default_rng(0)
+    join_after = sorted(rng.choice(np.arange(1, batch.num_micro_steps - 2), 3, replace=False))
+    elastic = ElasticTrainer(init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN)
+    for cell in all_cells[1:]:
+        assert elastic.precompile(cell) > 0
+    done = []
+
+    def on_micro_step(m, cell):
+        done.append(m)
+        while join_after and len(done) >= join_after[0]:
+            join_after.pop(0)
+            elastic.join(all_cells[len(elastic.training)])
+            time.sleep(0.3)  # hold this worker so the newcomer gets to claim
+
+    report = elastic.train_step(batch, on_micro_step=on_micro_step)
+    assert len(elastic.training) == 4 and len(report.joins) == 3
+    assert sum(report.micro_steps_per_cell.values()) == batch.num_micro_steps
+    assert len(report.cells) >= 2, report.micro_steps_per_cell  # satellites did take part
+    for join in report.joins:
+        assert join.weight_pull_s > 0 and join.compile_s == 0  # precompiled
+    np.testing.assert_allclose(report.metrics["loss"], ref.metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(report.metrics["grad_norm"], ref.metrics["grad_norm"], rtol=1e-5)
+    assert (
+        report.metrics["tokens"] == ref.metrics["tokens"] == batch.stats.admitted_trainable_tokens
+    )
+    assert_trees_close(params_np(elastic), params_np(alone))
+    assert elastic.version == alone.version == 1
+
+
+def test_rejoining_never_recompiles_and_release_waits_for_the_boundary():
+    batch = make_batch(1)
+    all_cells = cells()
+    trainer = ElasticTrainer(init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN)
+    for cell in all_cells[1:3]:
+        trainer.join(cell)
+    first = trainer.train_step(batch)
+    count = trainer.compile_count
+
+    def release_mid_step(m, cell):
+        if m == 0 and any(c.index == 2 for c in trainer.training):
+            trainer.release(all_cells[2])
+
+    second = trainer.train_step(batch, on_micro_step=release_mid_step)
+    assert second.released == (2,) and [c.index for c in trainer.training] == [0, 1]
+    trainer.release(all_cells[1])  # no step running: immediate
+    trainer.train_step(batch)
+    for cell in all_cells[1:3]:
+        trainer.join(cell)
+    trainer.train_step(batch)
+    # Cells 1 and 2 rejoined: their micro-steps were compiled in the first step. Only a
+    # cross-cell reduction over a set of cells never seen before may compile.
+    assert trainer.compile_count <= count + 1
+    assert trainer.version == 4 and first.version == 1
+    with pytest.raises(ValueError, match="cannot be released"):
+        trainer.release(all_cells[0])
+    with pytest.raises(ValueError, match="already training"):
+        trainer.join(all_cells[1])
+
+
+def test_non_finite_micro_step_skips_the_update():
+    batch = make_batch(2)
+    advantage = batch.advantage.copy()
+    bad = 2
+    r = batch.rows_per_micro_step
+    advantage[bad * r : (bad + 1) * r][batch.loss_weight[bad * r : (bad + 1) * r] > 0] = np.nan
+    poisoned = dataclasses.replace(batch, advantage=advantage)
+    trainer = ElasticTrainer(init_model(MODEL), cells()[0], rl=RLConfig(), train=TRAIN)
+    before = params_np(trainer)
+    report = trainer.train_step(poisoned)
+    assert report.skipped and f"micro-step {bad}" in report.skip_reason
+    assert trainer.version == 0 and trainer.step == 1
+    jax.tree.map(np.testing.assert_array_equal, params_np(trainer), before)
+    assert not trainer.train_step(batch).skipped and trainer.version == 1
+
+
+def test_batch_shape_must_match_the_train_config():
+    trainer = ElasticTrainer(init_model(MODEL), cells()[0], rl=RLConfig(), train=TRAIN)
+    with pytest.raises(ValueError, match="rows_per_micro_step=2"):
+        trainer.train_step(make_batch(rows_per_micro_step=2))
+
+
+def optimizer_state_np(trainer):
+    return jax.tree.map(np.asarray, trainer.opt_state)
+
+
+def test_checkpoint_restores_onto_other_cell_layouts(tmp_path):
+    batch = make_batch(3)
+    checkpoints = CheckpointConfig(every_steps=1, keep=2)
+    saved = ElasticTrainer(init_model(MODEL), cells(2, 2, 1)[0], rl=RLConfig(), train=TRAIN)
+    saved.train_step(batch)
+    saved.save(TrainCheckpointer(tmp_path / "ck", checkpoints), {"data_position": 7})
+    want_params, want_opt = params_np(saved), optimizer_state_np(saved)
+    for layout in [(4, 2, 2), (1, 1, 1), (8, 4, 2)]:
+        trainer = ElasticTrainer(
+            init_model(MODEL, seed=9), cells(*layout)[0], rl=RLConfig(), train=TRAIN
+        )
+        meta = trainer.restore(TrainCheckpointer(tmp_path / "ck", checkpoints))
+        assert meta["data_position"] == 7 and trainer.step == 1 and trainer.version == 1
+        assert len(trainer.params["embed"].sharding.device_set) == layout[0]
+        jax.tree.map(np.testing.assert_array_equal, params_np(trainer), want_params)
+        jax.tree.map(np.testing.assert_array_equal, optimizer_state_np(trainer), want_opt)
+
+
+def test_resume_continues_the_exact_same_run(tmp_path):
+    batches = [make_batch(s) for s in (4, 5, 6)]
+    core = cells()[0]
+    straight = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
+    for b in batches:
+        straight.train_step(b)
+
+    checkpointer = TrainCheckpointer(tmp_path / "ck", CheckpointConfig(every_steps=1, keep=1))
+    first = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
+    first.train_step(batches[0])
+    first.save(checkpointer)
+    resumed = ElasticTrainer(init_model(MODEL, seed=5), core, rl=RLConfig(), train=TRAIN)
+    resumed.restore(TrainCheckpointer(tmp_path / "ck", CheckpointConfig(every_steps=1, keep=1)))
+    for b in batches[1:]:
+        resumed.train_step(b)
+    assert resumed.step == straight.step == 3
+    jax.tree.map(np.testing.assert_array_equal, params_np(resumed), params_np(straight))
+
+
+RESTORE_IN_ANOTHER_PROCESS = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from gyrejax.train.checkpoint import restore_weights
+shapes = json.loads(sys.argv[2])
+mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), (jax.sharding.AxisType.Auto,) * 2)
+def target(shape):
+    spec = P("fsdp", "tensor") if len(shape) == 2 else P()
+    return jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=NamedSharding(mesh, spec))
+restored = restore_weights(sys.argv[1], {k: target(s) for k, s in shapes.items()})
+summary = {k: [float(np.asarray(v).sum()), len(v.addressable_shards)] for k, v in restored.items()}
+print(json.dumps(summary))
+"""
+
+
+def test_weights_snapshot_restores_in_another_process_with_its_own_sharding(tmp_path):
+    trainer = ElasticTrainer(init_model(MODEL), cells()[0], rl=RLConfig(), train=TRAIN)
+    weights = {"gate": trainer.params["blocks"][0]["mlp"]["gate"], "embed": trainer.params["embed"]}
+    save_weights(tmp_path / "snapshot", weights)
+    shapes = {k: list(v.shape) for k, v in weights.items()}
+    script = [sys.executable, "-c", RESTORE_IN_ANOTHER_PROCESS]
+    result = subprocess.run(
+        [*script, str(tmp_path / "snapshot"), json.dumps(shapes)],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    restored = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, value in weights.items():
+        total, shards = restored[name]
+        np.testing.assert_allclose(total, float(np.asarray(value, np.float64).sum()), rtol=1e-5)
+        assert shards == 4
+    # And in this process, onto another mesh: identical values.
+    again = restore_weights(tmp_path / "snapshot", jax.tree.map(np.asarray, weights))
+    jax.tree.map(np.testing.assert_array_equal, again, jax.tree.map(np.asarray, weights))
