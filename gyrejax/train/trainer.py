@@ -55,7 +55,15 @@ class JoinReport:
     cell: int
     weight_pull_s: float  # snapshot copied from the core, device to device
     compile_s: float  # 0 when the cell's step was already compiled
-    first_micro_step_s: float  # from claim to gradients ready (compile excluded)
+    first_micro_step_s: float | None  # claim to gradients ready; None if it got none
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveReport:
+    """How long a released satellite waited for the step boundary before it was free."""
+
+    cell: int
+    wait_s: float  # from `release` to the end of the step's reduction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +78,7 @@ class StepReport:
     cells: tuple[int, ...]  # cells whose gradients were reduced, core first
     micro_steps_per_cell: dict[int, int]
     joins: tuple[JoinReport, ...]
-    released: tuple[int, ...]  # satellites that left at this step's boundary
+    released: tuple[LeaveReport, ...]  # satellites that left at this step's boundary
     reduction_s: float
     update_s: float
     step_s: float
@@ -149,7 +157,7 @@ class ElasticTrainer:
         self._reducers: dict[tuple[int, ...], CrossCellReducer] = {}
         self._update = None
         self._run: _StepRun | None = None
-        self._pending_release: set[int] = set()
+        self._pending_release: dict[int, float] = {}  # cell -> time release was asked
         self._state_lock = threading.Lock()
 
     # --- layout -----------------------------------------------------------------------
@@ -292,7 +300,7 @@ class ElasticTrainer:
         with self._state_lock:
             if any(c.index == cell.index for c in self.training):
                 raise ValueError(f"cell {cell.index} is already training")
-            self._pending_release.discard(cell.index)
+            self._pending_release.pop(cell.index, None)
             self.training.append(cell)
             if self._run is not None:
                 self._run.start_worker(cell, joined_mid_step=True)
@@ -307,7 +315,7 @@ class ElasticTrainer:
             if self._run is None:
                 self.training = [c for c in self.training if c.index != cell.index]
             else:
-                self._pending_release.add(cell.index)
+                self._pending_release[cell.index] = time.perf_counter()
 
     # --- the step -----------------------------------------------------------------------
 
@@ -334,19 +342,20 @@ class ElasticTrainer:
         results = run.wait()
         with self._state_lock:
             self._run = None
-            released = tuple(sorted(self._pending_release))
-            self.training = [c for c in self.training if c.index not in self._pending_release]
+            leaving = dict(self._pending_release)
+            self.training = [c for c in self.training if c.index not in leaving]
             self._pending_release.clear()
         for result in results.values():
             if result.error is not None:
                 raise RuntimeError("a training cell failed") from result.error
 
         took_part = [c for c in run.cells_in_order() if results[c.index].micro_steps > 0]
+        # A set of cells seen for the first time compiles its reduction (not timed below).
+        reducer = self._reducer_for(tuple(took_part)) if len(took_part) > 1 else None
         reduce_start = time.perf_counter()
-        if len(took_part) == 1:
+        if reducer is None:
             grads = results[took_part[0].index].grads
         else:
-            reducer = self._reducer_for(tuple(took_part))
             grads = reducer([results[c.index].grads for c in took_part])
         grads = jax.block_until_ready(grads)
         reduction_s = time.perf_counter() - reduce_start
@@ -368,6 +377,10 @@ class ElasticTrainer:
             self.version += 1
         jax.block_until_ready(self.params)
         update_s = time.perf_counter() - update_start
+        released = tuple(
+            LeaveReport(index, reduce_start + reduction_s - asked)
+            for index, asked in sorted(leaving.items())
+        )
         return StepReport(
             step=self.step,
             version=self.version,
@@ -430,7 +443,7 @@ class ElasticTrainer:
                 run.on_micro_step(m, cell)
         result.grads = acc
         if joined_mid_step:
-            result.join = JoinReport(cell.index, pull_s, compile_s, first_s or 0.0)
+            result.join = JoinReport(cell.index, pull_s, compile_s, first_s)
 
 
 # Dtypes of the packed fields as the compiled micro-step expects them.
