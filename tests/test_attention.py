@@ -116,7 +116,8 @@ def test_decode_attention_matches_dense_over_valid_prefix():
     k = rng.standard_normal((slots, max_len, kv, d)).astype(np.float32)
     v = rng.standard_normal((slots, max_len, kv, d)).astype(np.float32)
     lengths = np.array([1, 7, 10], np.int32)
-    out = np.asarray(attention.decode_attention(*map(jnp.asarray, (q, k, v, lengths))))
+    heads_major = (np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2))  # the cache layout
+    out = np.asarray(attention.decode_attention(*map(jnp.asarray, (q, *heads_major, lengths))))
     for s, n in enumerate(lengths):
         ends = np.full((1, n), n, np.int32)
         qs = np.zeros((1, n, h, d), np.float32)

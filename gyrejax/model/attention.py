@@ -250,13 +250,19 @@ def decode_attention(
 
     Args:
       q: float[S, H, D], the new token of each slot.
-      k_cache: float[S, M, KV, D], already holding the new token's key.
-      v_cache: float[S, M, KV, D].
+      k_cache: float[S, KV, M, D], already holding the new token's key.
+      v_cache: float[S, KV, M, D].
       lengths: int32[S], valid cache entries per slot (the new token included).
 
     Returns:
       float[S, H, D].
     """
-    valid = jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]  # [S, M]
-    out = dense_attention(q[:, None], k_cache, v_cache, valid[:, None, :])
-    return out[:, 0]
+    s, h, d = q.shape
+    kv, m = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(s, kv, h // kv, d)
+    scores = jnp.einsum("skgd,skmd->skgm", qg, k_cache, preferred_element_type=jnp.float32)
+    valid = jnp.arange(m)[None, :] < lengths[:, None]  # [S, M]
+    scores = jnp.where(valid[:, None, None], scores * (d**-0.5), _NEG)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("skgm,skmd->skgd", probs.astype(v_cache.dtype), v_cache)
+    return out.reshape(s, h, d).astype(q.dtype)

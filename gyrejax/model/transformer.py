@@ -155,8 +155,9 @@ class KVCache:
     """Static-shape key/value cache: one row ("slot") per concurrent sequence.
 
     Attributes:
-      k: per layer, float[slots, max_len, KV, D].
-      v: per layer, float[slots, max_len, KV, D].
+      k: per layer, float[slots, KV, max_len, D] (heads before length, so a decode
+        step reads each (slot, head)'s keys as one contiguous matrix).
+      v: per layer, float[slots, KV, max_len, D].
       lengths: int32[slots], valid entries per slot.
     """
 
@@ -166,7 +167,7 @@ class KVCache:
 
     @classmethod
     def create(cls, config: ModelConfig, slots: int, max_len: int) -> KVCache:
-        shape = (slots, max_len, config.num_kv_heads, config.head_dim)
+        shape = (slots, config.num_kv_heads, max_len, config.head_dim)
         # Distinct buffers per layer and for k and v: the cache is donated to jit.
         layers = range(config.num_layers)
         return cls(
@@ -177,7 +178,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 class Transformer(nnx.Module):
@@ -252,8 +253,10 @@ class Transformer(nnx.Module):
             else:
                 out = attention.dense_tree_attention(q, k, v, causal_end)
             x = block.finish(x, block.attn.output(out))
-            new_k[layer] = new_k[layer].at[slots, :t].set(k.astype(new_k[layer].dtype))
-            new_v[layer] = new_v[layer].at[slots, :t].set(v.astype(new_v[layer].dtype))
+            k_heads = jnp.swapaxes(k, 1, 2).astype(new_k[layer].dtype)  # [B, KV, T, D]
+            v_heads = jnp.swapaxes(v, 1, 2).astype(new_v[layer].dtype)
+            new_k[layer] = new_k[layer].at[slots, :, :t].set(k_heads)
+            new_v[layer] = new_v[layer].at[slots, :, :t].set(v_heads)
         hidden = self.final_norm(x)
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         new_lengths = cache.lengths.at[slots].set(lengths.astype(jnp.int32))
@@ -278,8 +281,8 @@ class Transformer(nnx.Module):
         new_k, new_v = list(cache.k), list(cache.v)
         for layer, block in enumerate(self.blocks):
             q, k, v = block.attn.project(block.attn_norm(x), positions)
-            new_k[layer] = new_k[layer].at[slots, cache.lengths].set(k[:, 0])
-            new_v[layer] = new_v[layer].at[slots, cache.lengths].set(v[:, 0])
+            new_k[layer] = new_k[layer].at[slots, :, cache.lengths].set(k[:, 0])
+            new_v[layer] = new_v[layer].at[slots, :, cache.lengths].set(v[:, 0])
             out = attention.decode_attention(q[:, 0], new_k[layer], new_v[layer], cache.lengths + 1)
             x = block.finish(x, block.attn.output(out[:, None]))
         logits = self.logits(self.final_norm(x)[:, 0])
