@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gyrejax.config import ModelConfig
-from gyrejax.model.sampling import bucket_length, generate, sample_tokens
+from gyrejax.model.sampling import bucket_length, generate, sample_per_slot, sample_tokens
 from gyrejax.model.transformer import init_model
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8)
@@ -66,3 +66,65 @@ def test_stop_id_ends_one_sequence_but_not_the_others():
 def test_bad_prompts(prompts, message):
     with pytest.raises(ValueError, match=message):
         generate(init_model(CONFIG), prompts, max_new_tokens=2)
+
+
+def numpy_processed_logprobs(logits, temperature, top_k, top_p):
+    """Reference: tempered, top-k then top-p restricted, renormalised log-probs (-inf out)."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.zeros_like(scaled, bool)
+    k = top_k if top_k > 0 else len(scaled)
+    probs = np.exp(scaled[order[:k]] - scaled[order[:k]].max())
+    probs /= probs.sum()
+    mass = 0.0
+    for rank, index in enumerate(order[:k]):
+        if mass >= top_p:
+            break
+        keep[index] = True
+        mass += probs[rank]
+    out = np.full_like(scaled, -np.inf)
+    z = np.log(np.exp(scaled[keep] - scaled[keep].max()).sum()) + scaled[keep].max()
+    out[keep] = scaled[keep] - z
+    return out
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 8, 0.8)]
+)
+def test_per_slot_sampling_uses_the_processed_distribution(temperature, top_k, top_p):
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((1, 20)).astype(np.float32) * 2
+    ref = numpy_processed_logprobs(logits[0], temperature, top_k, top_p)
+    n = 4000
+    tokens, logprobs = sample_per_slot(
+        jnp.asarray(np.repeat(logits, n, 0)),
+        jnp.full(n, temperature, jnp.float32),
+        jnp.full(n, top_k, jnp.int32),
+        jnp.full(n, top_p, jnp.float32),
+        jnp.full(n, 3, jnp.int32),
+        jnp.arange(n, dtype=jnp.int32),
+    )
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    assert np.isfinite(ref[tokens]).all()  # never outside the allowed set
+    np.testing.assert_allclose(logprobs, ref[tokens], atol=1e-5)
+    counts = np.bincount(tokens, minlength=20) / n
+    np.testing.assert_allclose(counts, np.exp(ref), atol=0.03)
+
+
+def test_per_slot_sampling_depends_only_on_seed_and_index():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((3, 30)), jnp.float32)
+    args = dict(
+        temperature=jnp.asarray([1.0, 0.0, 0.8]),
+        top_k=jnp.asarray([0, 0, 6], jnp.int32),
+        top_p=jnp.asarray([1.0, 1.0, 0.9]),
+        seed=jnp.asarray([11, 12, 13], jnp.int32),
+        index=jnp.asarray([4, 0, 9], jnp.int32),
+    )
+    batch_tokens, batch_logprobs = sample_per_slot(logits, **args)
+    for i in range(3):  # each slot alone gives the same result
+        alone = {k: v[i : i + 1] for k, v in args.items()}
+        token, logprob = sample_per_slot(logits[i : i + 1], **alone)
+        assert int(token[0]) == int(batch_tokens[i])
+        np.testing.assert_allclose(float(logprob[0]), float(batch_logprobs[i]), atol=1e-6)
+    assert int(batch_tokens[1]) == int(jnp.argmax(logits[1]))  # temperature 0: greedy

@@ -49,6 +49,57 @@ def sample_tokens(
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
+def sample_per_slot(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed: jax.Array,
+    index: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per slot with that slot's own parameters.
+
+    The random key of a slot's n-th generated token is `fold_in(key(seed), n)`, so a
+    request samples the same tokens whatever else shares the batch and wherever it
+    migrates. The log-prob is under the distribution actually sampled from: tempered,
+    then restricted to the top-k and top-p set and renormalised. Temperature 0 is
+    greedy, with the log-prob under the model's own distribution.
+
+    Args:
+      logits: float32[S, V].
+      temperature: float32[S]; 0 is greedy.
+      top_k: int32[S]; 0 keeps every token.
+      top_p: float32[S] in (0, 1]; 1 keeps every token.
+      seed: int32[S] per-request seeds.
+      index: int32[S] index of the token being sampled within its request's output.
+
+    Returns:
+      tokens int32[S] and log-probs float32[S].
+    """
+    vocab = logits.shape[-1]
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [S, 1]
+    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
+    # Nucleus over the top-k set: keep the smallest prefix whose mass reaches top_p.
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = in_top_k & (mass_before < top_p[:, None])
+    last_kept = jnp.sum(keep_sorted, axis=-1) - 1
+    threshold = jnp.maximum(jnp.take_along_axis(ordered, last_kept[:, None], axis=-1), kth)
+    allowed = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    logp = jax.nn.log_softmax(allowed, axis=-1)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, index)
+    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, allowed)
+    argmax = jnp.argmax(logits, axis=-1)
+    tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
+    greedy_logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), argmax[:, None], -1)[:, 0]
+    sampled_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.where(greedy, greedy_logp, sampled_logp)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(5,))
 def _prefill_and_sample(graphdef, state, tokens, lengths, slots, cache, temperature, key):
     model = nnx.merge(graphdef, state)

@@ -263,7 +263,11 @@ class Transformer(nnx.Module):
         return self.logits(last), KVCache(tuple(new_k), tuple(new_v), new_lengths)
 
     def decode(
-        self, tokens: jax.Array, cache: KVCache, active: jax.Array
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        active: jax.Array,
+        attend_len: int | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Advances every active slot by one token.
 
@@ -271,6 +275,8 @@ class Transformer(nnx.Module):
           tokens: int32[S], the next input token of each slot (S = cache slots).
           cache: holds each slot's context; the token goes to position `lengths[s]`.
           active: bool[S]; inactive slots compute garbage and keep their length.
+          attend_len: static; attention reads only the first `attend_len` cache
+            positions (must exceed every active slot's length). Default: all of them.
 
         Returns:
           float32[S, vocab] next-token logits, and the cache.
@@ -283,7 +289,10 @@ class Transformer(nnx.Module):
             q, k, v = block.attn.project(block.attn_norm(x), positions)
             new_k[layer] = new_k[layer].at[slots, :, cache.lengths].set(k[:, 0])
             new_v[layer] = new_v[layer].at[slots, :, cache.lengths].set(v[:, 0])
-            out = attention.decode_attention(q[:, 0], new_k[layer], new_v[layer], cache.lengths + 1)
+            keys, values = new_k[layer], new_v[layer]
+            if attend_len is not None:
+                keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
+            out = attention.decode_attention(q[:, 0], keys, values, cache.lengths + 1)
             x = block.finish(x, block.attn.output(out[:, None]))
         logits = self.logits(self.final_norm(x)[:, 0])
         new_lengths = jnp.where(active, cache.lengths + 1, cache.lengths)

@@ -1,0 +1,243 @@
+"""JAX engine: continuous batching equals plain generation; migration, limits, updates."""
+
+import asyncio
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from gyrejax.cells import split_into_cells
+from gyrejax.config import CellsConfig, ModelConfig
+from gyrejax.model.sampling import generate
+from gyrejax.model.transformer import init_model
+from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
+
+CONFIG = ModelConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16,
+)  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=0)
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CONFIG.vocab_size, int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_engines(model, fn, n=1, **kwargs):
+    engines = [JaxEngine(f"e{i}", model, max_seq_len=256, **kwargs) for i in range(n)]
+    try:
+        return await fn(*engines)
+    finally:
+        for engine in engines:
+            await engine.shutdown()
+
+
+def test_continuous_batching_equals_plain_generation(model):
+    ps = prompts(7)  # more requests than slots: some wait for a free slot
+    want = generate(model, ps, max_new_tokens=24)
+
+    async def body(engine):
+        futures = [engine.submit(Request(f"r{i}", p, GREEDY)) for i, p in enumerate(ps)]
+        assert engine.load == 7
+        return await asyncio.gather(*futures)
+
+    results = run(with_engines(model, body, max_slots=3, decode_steps=5))
+    for got, expected in zip(results, want, strict=True):
+        assert got.output_ids.tolist() == expected.token_ids
+        np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+        assert got.finish_reason == "length" and got.engines == ("e0",)
+        assert (got.versions == 0).all()
+
+
+def test_seeded_sampling_is_independent_of_batch_and_engine(model):
+    ps = prompts(4, seed=1)
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_new_tokens=16)
+
+    async def body(a, b):
+        together = await asyncio.gather(
+            *(a.submit(Request(f"t{i}", p, sampling)) for i, p in enumerate(ps))
+        )
+        alone = [await b.submit(Request(f"a{i}", p, sampling)) for i, p in enumerate(ps)]
+        return together, alone
+
+    together, alone = run(with_engines(model, body, n=2, max_slots=4, decode_steps=3))
+    for x, y in zip(together, alone, strict=True):
+        assert x.output_ids.tolist() == y.output_ids.tolist()
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    assert any(len(set(x.output_ids.tolist())) > 1 for x in together)
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(temperature=1.0, seed=3, max_new_tokens=40)]
+)
+def test_kv_migration_continues_exactly(model, sampling):
+    prompt = prompts(1, seed=2)[0]
+    sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": 60})
+
+    async def body(a, b):
+        reference = await a.submit(Request("ref", prompt, sampling))
+        future = a.submit(Request("m", prompt, sampling))
+        while a.tokens_generated < reference.output_ids.size + 10:
+            await asyncio.sleep(0.01)
+        live = await a.export("m")
+        with pytest.raises(RequestMigrated):
+            await future
+        assert live.kv is not None and 0 < len(live.output_ids) < 60
+        assert a.load == 0
+        return reference, await b.import_request(live)
+
+    reference, moved = run(with_engines(model, body, n=2, max_slots=2, decode_steps=2))
+    assert moved.output_ids.tolist() == reference.output_ids.tolist()
+    np.testing.assert_allclose(moved.logprobs, reference.logprobs, atol=1e-5)
+    assert moved.engines == ("e0", "e1")
+
+
+def test_resubmit_migration_without_kv(model):
+    prompt = prompts(1, seed=3)[0]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=50)
+
+    async def body(a, b):
+        reference = await a.submit(Request("ref", prompt, sampling))
+        future = a.submit(Request("m", prompt, sampling))
+        while a.tokens_generated < reference.output_ids.size + 8:
+            await asyncio.sleep(0.01)
+        live = await a.export("m")
+        with pytest.raises(RequestMigrated):
+            await future
+        return reference, await b.import_request(dataclasses.replace(live, kv=None))
+
+    reference, moved = run(with_engines(model, body, n=2, max_slots=2, decode_steps=2))
+    assert moved.output_ids.tolist() == reference.output_ids.tolist()
+    np.testing.assert_allclose(moved.logprobs, reference.logprobs, atol=1e-4)
+
+
+def test_stop_ids_budgets_and_the_context_limit(model):
+    prompt = prompts(1, seed=4)[0]
+    free = generate(model, [prompt], max_new_tokens=30)[0].token_ids
+    stop = free[5]
+
+    async def body(engine):
+        stopped = await engine.submit(
+            Request("s", prompt, SamplingParams(temperature=0, stop_ids=(stop,), max_new_tokens=30))
+        )
+        one = await engine.submit(
+            Request("o", prompt, SamplingParams(temperature=0, max_new_tokens=1))
+        )
+        long_prompt = list(range(1, 60))
+        limited = await engine.submit(
+            Request("l", long_prompt, SamplingParams(temperature=0, max_new_tokens=500))
+        )
+        return stopped, one, limited
+
+    engines = [JaxEngine("e0", model, max_slots=2, max_seq_len=64, decode_steps=4)]
+
+    async def main():
+        try:
+            return await body(engines[0])
+        finally:
+            await engines[0].shutdown()
+
+    stopped, one, limited = run(main())
+    assert (
+        stopped.output_ids.tolist() == free[: free.index(stop) + 1]
+        and stopped.finish_reason == "stop"
+    )
+    assert one.output_ids.tolist() == free[:1] and one.finish_reason == "length"
+    # 59 prompt tokens in a 64-token cache: 64 - 59 + 1 tokens fit, the last one unwritten.
+    assert limited.finish_reason == "length" and len(limited.output_ids) == 64 - 59 + 1
+
+
+def test_cancel_bad_requests_and_shutdown(model):
+    async def body(engine):
+        running = engine.submit(Request("c", [1, 2, 3], SamplingParams(max_new_tokens=10_000)))
+        while engine.tokens_generated < 5:
+            await asyncio.sleep(0.01)
+        engine.cancel("c")
+        cancelled = await running
+        with pytest.raises(ValueError, match="token 500 outside"):
+            engine.submit(Request("bad", [1, 500], GREEDY))
+        with pytest.raises(ValueError, match="does not fit"):
+            engine.submit(Request("big", list(range(300)), GREEDY))
+        pending = engine.submit(Request("p", [1, 2], SamplingParams(max_new_tokens=10_000)))
+        await engine.shutdown()
+        with pytest.raises(EngineError, match="shut down"):
+            await pending
+        return cancelled
+
+    cancelled = run(with_engines(model, body, max_slots=2))
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.output_ids) >= 5
+
+
+def test_weight_update_between_decode_steps(model):
+    prompt = prompts(1, seed=5)[0]
+    bigger = jax.tree.map(lambda x: x * 1.5, nnx.to_pure_dict(nnx.state(model)))
+
+    async def body(engine):
+        future = engine.submit(
+            Request("w", prompt, SamplingParams(temperature=0, max_new_tokens=80))
+        )
+        while engine.tokens_generated < 10:
+            await asyncio.sleep(0.01)
+        await engine.update_weights(bigger, version=1)
+        during = await future
+        after = await engine.submit(Request("x", prompt, GREEDY))
+        return during, after
+
+    during, after = run(with_engines(model, body, max_slots=2, decode_steps=2))
+    switch = int(np.argmax(during.versions == 1))
+    assert (
+        0 < switch
+        and (during.versions[:switch] == 0).all()
+        and (during.versions[switch:] == 1).all()
+    )
+    assert (after.versions == 1).all()
+    new_model = init_model(CONFIG)
+    nnx.update(new_model, bigger)
+    assert (
+        after.output_ids.tolist() == generate(new_model, [prompt], max_new_tokens=24)[0].token_ids
+    )
+
+
+def test_release_memory_and_resume(model):
+    async def body(engine):
+        first = await engine.submit(Request("a", [1, 2, 3], GREEDY))
+        await engine.release_memory()
+        await engine.resume()
+        await engine.update_weights(nnx.state(model), version=2)
+        second = await engine.submit(Request("b", [1, 2, 3], GREEDY))
+        return first, second
+
+    first, second = run(with_engines(model, body, max_slots=2))
+    assert first.output_ids.tolist() == second.output_ids.tolist() and (second.versions == 2).all()
+
+
+def test_engine_on_a_tensor_parallel_cell_equals_one_device(model):
+    cell = split_into_cells(CellsConfig(size=2, fsdp=1, tensor=2))[1]
+    ps = prompts(3, seed=6)
+    want = generate(model, ps, max_new_tokens=24)
+
+    async def body():
+        engine = JaxEngine("tp", model, cell, max_slots=4, max_seq_len=128)
+        try:
+            return await asyncio.gather(
+                *(engine.submit(Request(f"r{i}", p, GREEDY)) for i, p in enumerate(ps))
+            )
+        finally:
+            await engine.shutdown()
+
+    for got, expected in zip(run(body()), want, strict=True):
+        assert got.output_ids.tolist() == expected.token_ids
+        np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)

@@ -1,0 +1,183 @@
+"""Proxy: records every call; drains, migrations and engine failures are invisible."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from gyrejax.config import ModelConfig
+from gyrejax.model.sampling import generate
+from gyrejax.model.transformer import init_model
+from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.proxy import NoEngineError, Proxy
+from gyrejax.rollout.types import SamplingParams
+
+CONFIG = ModelConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16,
+)  # fmt: skip
+LONG = SamplingParams(temperature=0.0, max_new_tokens=120)
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return generate(model, [PROMPT], max_new_tokens=120)[0]
+
+
+class NoKvJaxEngine(JaxEngine):
+    """A JAX engine that cannot take a KV cache (forces re-submit, as vLLM does)."""
+
+    exports_kv = False
+
+
+def engines(model, n=2, cls=JaxEngine, **kwargs):
+    kwargs = {"max_slots": 4, "max_seq_len": 256, "decode_steps": 2, **kwargs}
+    return [cls(f"e{i}", model, **kwargs) for i in range(n)]
+
+
+async def shutdown(proxy):
+    for engine in proxy.engines():
+        await engine.shutdown()
+
+
+def assert_matches(completion, reference, atol=1e-5):
+    assert completion.output_ids.tolist() == reference.token_ids
+    np.testing.assert_allclose(completion.logprobs, reference.logprobs, atol=atol)
+
+
+def test_calls_are_recorded_and_counted(model, reference):
+    async def body():
+        proxy = Proxy(engines(model))
+        try:
+            proxy.dispatch("x1")
+            proxy.dispatch("x2")
+            first = await proxy.generate("x1", "main", "main", PROMPT, LONG)
+            second = await proxy.generate(
+                "x1", "sub-1", "sub_agent", [1, 2], SamplingParams(max_new_tokens=3)
+            )
+            counters = proxy.counters()
+            calls = proxy.finish("x1")
+            return first, second, counters, calls, proxy.counters()
+        finally:
+            await shutdown(proxy)
+
+    first, second, counters, calls, after = asyncio.run(body())
+    assert_matches(first, reference)
+    assert second.output_ids.size == 3
+    assert (counters.dispatched, counters.started, counters.finished) == (2, 1, 0)
+    assert counters.outstanding == 2 and after.outstanding == 1
+    assert [c.call_id for c in calls] == [0, 1]
+    assert [(c.agent_id, c.role) for c in calls] == [("main", "main"), ("sub-1", "sub_agent")]
+    assert calls[0].prompt_ids.tolist() == PROMPT
+    assert calls[0].output_ids.tolist() == reference.token_ids
+    np.testing.assert_array_equal(calls[0].logprobs, first.logprobs)
+    assert calls[1].output_ids.size == 3 and calls[0].engines == calls[1].engines  # sticky
+    assert calls[0].finished_at >= calls[0].started_at > 0
+
+
+@pytest.mark.parametrize("cls", [JaxEngine, NoKvJaxEngine])
+def test_drain_migrates_in_flight_requests_invisibly(model, reference, cls):
+    async def body():
+        proxy = Proxy(engines(model, cls=cls))
+        try:
+            source = proxy.engines()[0]
+            calls = [
+                asyncio.create_task(proxy.generate(f"x{i}", "main", "main", PROMPT, LONG))
+                for i in range(3)
+            ]
+            while source.tokens_generated < 30:
+                await asyncio.sleep(0.01)
+            held = proxy.counters().in_flight["e0"]
+            report = await proxy.drain("e0")
+            assert proxy.counters().in_flight["e0"] == 0 and source.load == 0
+            return (
+                await asyncio.gather(*calls),
+                report,
+                held,
+                {x: proxy.finish(x) for x in ("x0", "x1", "x2")},
+            )
+        finally:
+            await shutdown(proxy)
+
+    results, report, held, records = asyncio.run(body())
+    assert held >= 1 and report.migrated == held
+    if cls is JaxEngine:
+        assert report.kv_copies == held
+    else:
+        assert report.resubmits == held
+    moved = [r for r in results if r.engines == ("e0", "e1")]
+    assert len(moved) == held
+    for result in results:
+        assert_matches(result, reference, atol=1e-5 if cls is JaxEngine else 1e-4)
+    for calls in records.values():  # the record is the whole, uninterrupted call
+        (call,) = calls
+        assert call.output_ids.tolist() == reference.token_ids and call.finish_reason == "length"
+
+
+@pytest.mark.parametrize("failure", ["die", "hang"])
+def test_engine_failure_retries_elsewhere(model, reference, failure):
+    async def body():
+        proxy = Proxy(engines(model), hang_timeout_s=0.5)
+        try:
+            victim = proxy.engines()[0]
+            call = asyncio.create_task(proxy.generate("x", "main", "main", PROMPT, LONG))
+            while victim.tokens_generated < 10:
+                await asyncio.sleep(0.01)
+            victim.simulate_failure(failure)
+            completion = await asyncio.wait_for(call, timeout=60)
+            again = await proxy.generate("y", "main", "main", PROMPT, LONG)
+            return completion, again, proxy.counters(), proxy.finish("x")
+        finally:
+            await shutdown(proxy)
+
+    completion, again, counters, calls = asyncio.run(body())
+    assert_matches(completion, reference)  # re-run from the prompt on the survivor
+    assert completion.engines == ("e1",) and again.engines == ("e1",)
+    assert counters.retries == 1
+    (call,) = calls
+    assert call.output_ids.tolist() == reference.token_ids and call.engines == ("e1",)
+
+
+def test_no_engine_left_is_an_error(model):
+    async def body():
+        proxy = Proxy(engines(model, n=1), max_attempts=2)
+        try:
+            proxy.engines()[0].simulate_failure("die")
+            await asyncio.sleep(0.2)
+            with pytest.raises(NoEngineError):
+                await proxy.generate("x", "main", "main", PROMPT, LONG)
+        finally:
+            await shutdown(proxy)
+
+    asyncio.run(body())
+
+
+def test_weights_published_mid_flight_version_every_token(model):
+    new = jax.tree.map(lambda x: x * 1.3, nnx.to_pure_dict(nnx.state(model)))
+
+    async def body():
+        proxy = Proxy(engines(model))
+        try:
+            call = asyncio.create_task(proxy.generate("x", "main", "main", PROMPT, LONG))
+            while sum(e.tokens_generated for e in proxy.engines()) < 20:
+                await asyncio.sleep(0.01)
+            await proxy.update_weights(new, version=1)
+            completion = await call
+            return completion, proxy.finish("x"), [e.version for e in proxy.engines()]
+        finally:
+            await shutdown(proxy)
+
+    completion, calls, versions = asyncio.run(body())
+    assert versions == [1, 1]
+    switch = int(np.argmax(completion.versions == 1))
+    assert switch > 0 and (completion.versions[switch:] == 1).all()
+    np.testing.assert_array_equal(calls[0].versions, completion.versions)
+    assert len(calls[0].versions) == len(calls[0].output_ids) == len(calls[0].logprobs)
