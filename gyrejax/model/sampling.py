@@ -76,9 +76,28 @@ def sample_per_slot(
     Returns:
       tokens int32[S] and log-probs float32[S].
     """
-    vocab = logits.shape[-1]
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    # Sorting the vocabulary is the costly part: skip it when no slot truncates.
+    truncating = jnp.any((top_k > 0) | (top_p < 1))
+    allowed = jax.lax.cond(truncating, _truncate, lambda s, k, p: s, scaled, top_k, top_p)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, index)
+        sampled = jax.vmap(jax.random.categorical)(keys, allowed).astype(jnp.int32)
+        return jnp.where(greedy, argmax, sampled)
+
+    tokens = jax.lax.cond(jnp.all(greedy), lambda: argmax, draw)
+    greedy_logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), argmax[:, None], -1)[:, 0]
+    logp = jax.nn.log_softmax(allowed, axis=-1)
+    sampled_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.where(greedy, greedy_logp, sampled_logp)
+
+
+def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Sets logits outside each row's top-k, then top-p, set to -inf."""
+    vocab = scaled.shape[-1]
     ordered = -jnp.sort(-scaled, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [S, 1]
@@ -89,15 +108,7 @@ def sample_per_slot(
     keep_sorted = in_top_k & (mass_before < top_p[:, None])
     last_kept = jnp.sum(keep_sorted, axis=-1) - 1
     threshold = jnp.maximum(jnp.take_along_axis(ordered, last_kept[:, None], axis=-1), kth)
-    allowed = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    logp = jax.nn.log_softmax(allowed, axis=-1)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, index)
-    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, allowed)
-    argmax = jnp.argmax(logits, axis=-1)
-    tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
-    greedy_logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), argmax[:, None], -1)[:, 0]
-    sampled_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    return tokens, jnp.where(greedy, greedy_logp, sampled_logp)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(5,))
