@@ -266,13 +266,30 @@ class HarnessConfig:
     """Agent harness and environment (consumed by gyrejax/harness)."""
 
     environment: str = "mini_repo"
-    max_turns: int = 32
-    timeout_s: float = 600.0
-    context_budget_tokens: int = 1536  # compaction trigger.
+    difficulty: int = 1  # task difficulty level of the environment
+    max_turns: int = 32  # main-agent turns before the execution times out
+    sub_agent_max_turns: int = 8
+    timeout_s: float = 600.0  # wall clock per execution
+    context_budget_tokens: int = 1280  # compaction trigger
+    max_new_tokens: int = 128  # per model call
+    max_observation_tokens: int = 256  # tool output beyond this is cut
+    max_retries: int = 2  # re-asks of the same context after a malformed action
+    eval_retry_budget: int = 3  # evaluation attempts before `eval_failed`
 
     def __post_init__(self):
         _one_of("harness", self, "environment", ENVIRONMENTS)
-        _positive("harness", self, "max_turns", "context_budget_tokens")
+        _positive(
+            "harness",
+            self,
+            "difficulty",
+            "max_turns",
+            "sub_agent_max_turns",
+            "context_budget_tokens",
+            "max_new_tokens",
+            "max_observation_tokens",
+            "eval_retry_budget",
+        )
+        _non_negative("harness", self, "max_retries")
         if not self.timeout_s > 0:
             _fail("harness.timeout_s", self.timeout_s, "expected a positive number")
 
@@ -333,6 +350,17 @@ class Config:
     seed: int = 0
 
     def __post_init__(self):
+        # A context may pass the budget by one turn (an answer and an observation) before
+        # it is compacted, and the call then adds one more answer.
+        h = self.harness
+        needed = h.context_budget_tokens + 2 * h.max_new_tokens + h.max_observation_tokens + 8
+        if needed > self.rollout.max_seq_len:
+            _fail(
+                "rollout.max_seq_len",
+                self.rollout.max_seq_len,
+                f"must hold harness.context_budget_tokens + 2 * harness.max_new_tokens + "
+                f"harness.max_observation_tokens + 8 = {needed}",
+            )
         for prompt in self.generate.prompts:
             for token in prompt:
                 if token >= self.model.vocab_size:

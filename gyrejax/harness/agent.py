@@ -1,0 +1,236 @@
+"""The agent harness: runs executions of tasks through the proxy and records them.
+
+One execution = the main agent's loop on one task, in its own workspace:
+
+  model call -> parse action -> run tool -> append observation -> ...
+
+until `done`, out of turns, or out of time. Along the way:
+  * compaction: when a context passes `context_budget_tokens`, a summary call (role
+    `main_summary` / `sub_agent_summary`) writes a summary and the agent continues from
+    system + task + summary;
+  * sub-agents: `delegate <subtask>` runs a sub-agent loop with its own context (role
+    `sub_agent`) in the same workspace; its `done <result>` comes back as an observation;
+  * retries: a malformed action is asked again from the same context (a fork in the
+    trajectory tree) up to `max_retries` times, then answered with an error observation;
+    a tool that raises becomes an error observation, never a crash;
+  * timeouts by wall clock and by turns: the execution stops, its in-flight calls are
+    cancelled, and its workspace is kept and scored (status `timed_out`).
+Scoring runs the task's hidden checks on the preserved workspace (reward = fraction
+passed); an evaluation that errors is retried up to `eval_retry_budget` times, then the
+execution is `eval_failed`; an empty workspace is `no_artifact` (reward 0). The model
+calls are recorded by the proxy; the harness only assembles the `Execution`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import zlib
+from pathlib import Path
+
+import numpy as np
+from absl import logging
+
+from gyrejax.config import HarnessConfig
+from gyrejax.harness import tokenizer as tok
+from gyrejax.harness.envs import get_environment
+from gyrejax.harness.envs.mini_repo import EvaluationError, parse_action
+from gyrejax.harness.workspace import Workspace
+from gyrejax.rollout.proxy import Proxy
+from gyrejax.rollout.types import SamplingParams
+from gyrejax.trajectory import Execution
+
+MAIN_SYSTEM = "build the files in the spec. actions: write <path>, read <path>, ls, check, "
+MAIN_SYSTEM += "delegate <subtask>, done"
+SUB_SYSTEM = "do the subtask. actions: write <path>, read <path>, ls, check, done <result>"
+
+
+class _OutOfTurns(Exception):
+    """The main agent used all its turns without finishing."""
+
+
+@dataclasses.dataclass
+class _Run:
+    """Mutable state of one execution."""
+
+    execution_id: str
+    task: object
+    workspace: Workspace
+    seed: int
+    calls: int = 0  # model calls made (seeds each call's sampling)
+    sub_agents: int = 0
+
+
+class Harness:
+    """Runs executions of an environment's tasks through a proxy.
+
+    Args:
+      proxy: the door to the engines (it records every call).
+      config: turns, timeouts, budgets.
+      workdir: workspaces live in `workdir/<execution id>`.
+      temperature: sampling temperature of every call.
+      environment: defaults to `get_environment(config.environment)`.
+    """
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        config: HarnessConfig,
+        workdir: str | Path,
+        *,
+        temperature: float = 1.0,
+        environment=None,
+    ):
+        self.proxy = proxy
+        self.config = config
+        self.workdir = Path(workdir)
+        self.temperature = temperature
+        self.env = environment if environment is not None else get_environment(config.environment)
+
+    # --- executions -----------------------------------------------------------------------
+
+    async def run_group(
+        self, task, group_id: str, size: int, seed: int, prefix: str = ""
+    ) -> list[Execution]:
+        """`size` concurrent executions of one task (one group, for relative advantages)."""
+        runs = [
+            self.run_execution(task, f"{prefix}{group_id}/{i}", group_id, seed=seed * 1000 + i)
+            for i in range(size)
+        ]
+        return list(await asyncio.gather(*runs))
+
+    async def run_execution(self, task, execution_id: str, group_id: str, seed: int) -> Execution:
+        """Runs one execution to its end and returns its record (never raises for agent
+        or tool behaviour)."""
+        self.proxy.dispatch(execution_id)
+        workspace = Workspace(self.workdir / _safe_name(execution_id))
+        run = _Run(execution_id, task, workspace, seed)
+        status = "finished"
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                await self._agent(run, "main", self.config.max_turns)
+        except TimeoutError:
+            status = "timed_out"
+            logging.info("execution %s timed out after %.0f s", execution_id, self.config.timeout_s)
+        except _OutOfTurns:
+            status = "timed_out"
+        finally:
+            self.proxy.cancel_execution(execution_id)
+        reward, status, attempts = await self._score(run, status)
+        return Execution(
+            execution_id=execution_id,
+            task_id=task.task_id,
+            group_id=group_id,
+            calls=self.proxy.finish(execution_id),
+            status=status,
+            reward=reward,
+            eval_attempts=attempts,
+        )
+
+    async def _score(self, run: _Run, status: str) -> tuple[float | None, str, int]:
+        if run.workspace.is_empty():
+            return 0.0, "no_artifact", 0
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                score = await asyncio.to_thread(self.env.score, run.task, run.workspace.root)
+                return score.reward, status, attempts
+            except EvaluationError as e:
+                logging.warning("evaluation of %s failed (attempt %d): %s", run.execution_id,
+                                attempts, e)  # fmt: skip
+                if attempts >= self.config.eval_retry_budget:
+                    return None, "eval_failed", attempts
+
+    # --- agents ----------------------------------------------------------------------------
+
+    async def _agent(self, run: _Run, kind: str, max_turns: int, subtask: str = "") -> str:
+        """Runs one agent loop; returns its result text (`done <result>`).
+
+        `kind` is "main" or "sub"; the main agent raises `_OutOfTurns` when it runs out.
+        """
+        if kind == "main":
+            agent_id, role, summary_role = "main", "main", "main_summary"
+            system, task_text = MAIN_SYSTEM, run.task.spec
+        else:
+            run.sub_agents += 1
+            agent_id, role, summary_role = f"sub-{run.sub_agents}", "sub_agent", "sub_agent_summary"
+            system, task_text = SUB_SYSTEM, subtask
+        opening = tok.start_context(system, task_text)
+        context = list(opening)
+        for _ in range(max_turns):
+            if len(context) > self.config.context_budget_tokens:
+                summary = await self._call(run, agent_id, summary_role, [*context, tok.SUMMARIZE])
+                context = opening + tok.observation(self._clip("summary: " + tok.decode(summary)))
+            output, action = await self._act(run, agent_id, role, context)
+            context = [*context, tok.ASSISTANT, *output]
+            if output[-1:] != [tok.EOT]:  # cut at max_new_tokens: close the turn
+                context.append(tok.EOT)
+            if action.malformed:
+                text = f"error: {action.error}"
+            elif action.kind == "done":
+                return action.result
+            elif action.kind == "delegate" and kind == "main":
+                result = await self._agent(
+                    run, "sub", self.config.sub_agent_max_turns, subtask=action.subtask
+                )
+                text = f"subtask result: {result}"
+            else:
+                text = await self._tool(run, action)
+            context = context + tok.observation(self._clip(text))
+        if kind == "main":
+            raise _OutOfTurns()
+        return "subtask unfinished"
+
+    async def _act(self, run: _Run, agent_id: str, role: str, context: list[int]):
+        """Asks for an action; re-asks the same context while the answer is malformed
+        (each retry is a fork of the same context in the trajectory tree)."""
+        for _ in range(1 + self.config.max_retries):
+            output = await self._call(run, agent_id, role, context)
+            action = parse_action(tok.decode(output))
+            if not action.malformed:
+                break
+        return output, action
+
+    async def _call(self, run: _Run, agent_id: str, role: str, context: list[int]) -> list[int]:
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            max_new_tokens=self.config.max_new_tokens,
+            stop_ids=(tok.EOT,),
+            seed=(zlib.crc32(run.execution_id.encode()) + run.seed * 7919 + run.calls) % 2**31,
+        )
+        run.calls += 1
+        completion = await self.proxy.generate(
+            run.execution_id, agent_id, role, np.asarray([*context, tok.ASSISTANT]), sampling
+        )
+        return completion.output_ids.tolist()
+
+    async def _tool(self, run: _Run, action) -> str:
+        """Runs a workspace or environment tool; any exception becomes an observation."""
+        ws = run.workspace
+        try:
+            if action.kind == "write":
+                return ws.write(action.path, action.content)
+            if action.kind == "read":
+                return ws.read(action.path)
+            if action.kind == "ls":
+                return ws.list_files()
+            if action.kind == "check":
+                return await asyncio.to_thread(self.env.run_visible_checks, run.task, ws.root)
+            return f"error: {action.kind} is not available here"
+        except Exception as e:  # a tool failure is the agent's observation, not a crash
+            logging.warning("tool %s failed in %s: %r", action.kind, run.execution_id, e)
+            return f"error: tool {action.kind} failed: {type(e).__name__}: {e}"
+
+    def _clip(self, text: str) -> str:
+        limit = self.config.max_observation_tokens - 2
+        data = text.encode("utf-8")
+        if len(data) <= limit:
+            return text
+        return data[: limit - 3].decode("utf-8", errors="ignore") + "..."
+
+
+def _safe_name(execution_id: str) -> str:
+    """A directory name for an execution id."""
+    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in execution_id)
+    return f"{keep[:80]}-{zlib.crc32(execution_id.encode()):08x}"

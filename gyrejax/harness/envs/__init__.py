@@ -1,0 +1,76 @@
+"""Environments by name: the config's `harness.environment` string picks one.
+
+    @register_environment("mini_repo")
+    class MiniRepoEnv: ...
+
+    env = get_environment("mini_repo", fail_evaluations=1)
+
+The built-in environments register themselves when their module is imported; the registry
+imports them on first use, so `get_environment("mini_repo")` works without importing
+`gyrejax.harness.envs.mini_repo` first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
+
+# Modules holding the built-in environments, imported on first lookup.
+_BUILTIN_MODULES = ("gyrejax.harness.envs.mini_repo",)
+_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def register_environment(name: str) -> Callable[[_Factory], _Factory]:
+    """Decorator registering a class or factory under `name`.
+
+    Raises:
+      ValueError: `name` is empty or already taken by another factory.
+    """
+    if not (isinstance(name, str) and name):
+        raise ValueError(f"environment name {name!r}: expected a non-empty string")
+
+    def decorator(factory: _Factory) -> _Factory:
+        existing = _REGISTRY.get(name)
+        # The same class registered again (a module re-import) is not a conflict.
+        if existing is not None and _qualname(existing) != _qualname(factory):
+            raise ValueError(
+                f"environment {name!r} is already registered to {_qualname(existing)}; "
+                f"cannot register {_qualname(factory)}"
+            )
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def get_environment(name: str, **kwargs: Any) -> Any:
+    """A new environment: the factory registered under `name`, called with `kwargs`.
+
+    Raises:
+      ValueError: no environment is registered under `name` (the message lists the known
+        ones).
+    """
+    _load_builtins()
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        known = ", ".join(known_environments()) or "(none)"
+        raise ValueError(f"unknown environment {name!r}; known environments: {known}")
+    return factory(**kwargs)
+
+
+def known_environments() -> tuple[str, ...]:
+    """The registered names, sorted."""
+    _load_builtins()
+    return tuple(sorted(_REGISTRY))
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def _qualname(factory: Callable[..., Any]) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', factory)}"
