@@ -5,19 +5,27 @@ Command:
 
 What it does (at this stage of the project): emulates 8 CPU devices, splits them into
 4 cells of 2 (a 2x1 fsdp x tensor mesh each; cell 0 is the core), builds a ~1M-parameter
-Qwen3-style model on the core cell, logs the layout, and greedily decodes the prompts in
-`generate.prompts` with the KV cache. Takes about 20 s on 2 cores.
+Qwen3-style model over the byte tokenizer (vocab 264) on the core cell, logs the layout,
+greedily decodes `generate.prompts`, then:
+  1. warm start: records `warmup.demonstrations` demonstrations of mini_repo tasks through
+     the harness and trains on them with SFT for `warmup.steps` steps on all 4 cells;
+  2. a rollout batch: JAX engines on all 4 cells behind the proxy; the harness runs
+     `rl.groups_per_step` groups of `rl.group_size` executions and stores them.
+Takes a few minutes on 2 cores; running it again resumes (finished stages are skipped).
 
-It prints (absl log lines) the cells, the parameter count and one line per greedy
-generation, and writes `layout.json` and `generations.jsonl` into --workdir.
+It prints (absl log lines) the cells, the parameter count, the SFT steps, and the rollout
+batch's mean reward; --workdir gets `layout.json`, `generations.jsonl`, `demonstrations/`,
+`warmup/` (checkpoints, metrics), `executions/` (the stored batch) and
+`rollout_summary.json`.
 
 Variants:
-  configs/tiny_cpu.py:smoke   two layers, short generations; for tests (~10 s).
+  configs/tiny_cpu.py:smoke   two layers, few short turns, no warm start; for tests.
 """
 
 from ml_collections import config_dict
 
 from gyrejax.config import SAMPLE_SHARDING_RULES, TRAIN_SHARDING_RULES
+from gyrejax.harness.tokenizer import VOCAB_SIZE
 
 
 def get_config(variant: str | None = None) -> config_dict.ConfigDict:
@@ -31,13 +39,13 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.cells.fsdp = 2
     c.cells.tensor = 1
 
-    # Model: Qwen3-style (q/k norm, tied embeddings). head_dim 64 is the smallest that
-    # vLLM's CPU attention serves.
+    # Model: Qwen3-style (q/k norm, tied embeddings), ~0.3M parameters: small enough to
+    # learn the task pool in a few CPU minutes. head_dim 64 (vLLM's CPU attention needs it).
     c.model = config_dict.ConfigDict()
-    c.model.vocab_size = 512
-    c.model.hidden_size = 128
-    c.model.intermediate_size = 384
-    c.model.num_layers = 4
+    c.model.vocab_size = VOCAB_SIZE  # the harness's byte tokenizer
+    c.model.hidden_size = 64
+    c.model.intermediate_size = 192
+    c.model.num_layers = 2
     c.model.num_heads = 4
     c.model.num_kv_heads = 2
     c.model.head_dim = 64
@@ -49,7 +57,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.model.o_bias = False
     c.model.tie_embeddings = True
     c.model.dtype = "float32"
-    c.model.attention = "dense"
+    c.model.attention = "blocked"
     c.model.attention_block_size = 256
     c.model.hf_checkpoint = ""  # set to an HF directory to start from trained weights
     c.model.init_seed = 0
@@ -57,8 +65,8 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     # Rollout engines (JAX engine on each rollout cell).
     c.rollout = config_dict.ConfigDict()
     c.rollout.engine = "jax"
-    c.rollout.max_slots = 8
-    c.rollout.max_seq_len = 2048
+    c.rollout.max_slots = 16
+    c.rollout.max_seq_len = 640
     c.rollout.temperature = 1.0
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
 
@@ -68,8 +76,8 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.steps = 8
     c.train.executions_dir = ""
     c.train.learning_rate = 1e-4
-    c.train.row_length = 2048
-    c.train.rows_per_micro_step = 1
+    c.train.row_length = 640
+    c.train.rows_per_micro_step = 4
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
     c.train.sharding_rules = TRAIN_SHARDING_RULES
@@ -86,12 +94,28 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl.groups_per_step = 2
     c.rl.j_max = 5
 
-    # Harness and environment.
+    # Harness and environment (mini_repo: write the files a short spec describes).
     c.harness = config_dict.ConfigDict()
     c.harness.environment = "mini_repo"
-    c.harness.max_turns = 32
+    c.harness.difficulty = 1
+    c.harness.task_pool = 16  # a pool the tiny model can learn within a CPU budget
+    c.harness.max_turns = 6
+    c.harness.sub_agent_max_turns = 3
     c.harness.timeout_s = 120.0
-    c.harness.context_budget_tokens = 1536
+    c.harness.context_budget_tokens = 320
+    c.harness.max_new_tokens = 48
+    c.harness.max_observation_tokens = 128
+    c.harness.max_retries = 1
+    c.harness.eval_retry_budget = 3
+
+    # Supervised warm start on demonstrations.
+    c.warmup = config_dict.ConfigDict()
+    c.warmup.steps = 80
+    c.warmup.demonstrations = 2560
+    c.warmup.quality = 0.8
+    c.warmup.delegation_prob = 0.1
+    c.warmup.groups_per_step = 32
+    c.warmup.learning_rate = 3e-3
 
     # Cell roles.
     c.scheduler = config_dict.ConfigDict()
@@ -111,8 +135,14 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.generate.max_new_tokens = 16
 
     if variant == "smoke":
-        c.model.num_layers = 2
+        c.model.num_layers = 1
         c.generate.max_new_tokens = 4
+        c.warmup.steps = 0
+        c.rl.groups_per_step = 1
+        c.rl.group_size = 2
+        c.harness.max_turns = 2
+        c.harness.max_new_tokens = 16
+        c.harness.max_retries = 0
     elif variant is not None:
         raise ValueError(f"configs/tiny_cpu.py: unknown variant {variant!r}; known: smoke")
     return c

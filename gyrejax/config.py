@@ -267,6 +267,7 @@ class HarnessConfig:
 
     environment: str = "mini_repo"
     difficulty: int = 1  # task difficulty level of the environment
+    task_pool: int = 0  # > 0: draw every task from a fixed pool of this many
     max_turns: int = 32  # main-agent turns before the execution times out
     sub_agent_max_turns: int = 8
     timeout_s: float = 600.0  # wall clock per execution
@@ -289,9 +290,28 @@ class HarnessConfig:
             "max_observation_tokens",
             "eval_retry_budget",
         )
-        _non_negative("harness", self, "max_retries")
+        _non_negative("harness", self, "max_retries", "task_pool")
         if not self.timeout_s > 0:
             _fail("harness.timeout_s", self.timeout_s, "expected a positive number")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm start on demonstrations before RL (consumed by gyrejax/stages)."""
+
+    steps: int = 0  # SFT steps; 0 skips the warm start
+    demonstrations: int = 64  # tasks demonstrated (one execution each)
+    quality: float = 0.8  # chance that a demonstrated file is right
+    delegation_prob: float = 0.2  # share of demonstrations that use a sub-agent
+    groups_per_step: int = 8  # demonstrations per SFT step
+    learning_rate: float = 1e-3
+
+    def __post_init__(self):
+        _non_negative("warmup", self, "steps", "learning_rate")
+        _positive("warmup", self, "demonstrations", "groups_per_step")
+        for name in ("quality", "delegation_prob"):
+            if not 0 <= getattr(self, name) <= 1:
+                _fail(f"warmup.{name}", getattr(self, name), "expected a value in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +366,7 @@ class Config:
     harness: HarnessConfig = HarnessConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    warmup: WarmupConfig = WarmupConfig()
     generate: GenerateConfig = GenerateConfig()
     seed: int = 0
 
@@ -360,6 +381,13 @@ class Config:
                 self.rollout.max_seq_len,
                 f"must hold harness.context_budget_tokens + 2 * harness.max_new_tokens + "
                 f"harness.max_observation_tokens + 8 = {needed}",
+            )
+        if self.train.row_length < self.rollout.max_seq_len:
+            _fail(
+                "train.row_length",
+                self.train.row_length,
+                f"must be >= rollout.max_seq_len={self.rollout.max_seq_len}: a call is trained "
+                "with its whole context in one row",
             )
         for prompt in self.generate.prompts:
             for token in prompt:

@@ -5,9 +5,15 @@ Stages, in order; each exists only once its module does:
   2. smoke generations: greedy decoding of `config.generate.prompts` with the KV cache;
   3. with `config.train.executions_dir`: SFT or RL steps on that execution store on all
      cells, checkpointing into `workdir/checkpoints` and resuming from it
-     (`gyrejax.train.loop`).
-Outputs in `workdir`: `layout.json`, `generations.jsonl`, and from stage 3
-`metrics.jsonl`, `checkpoints/`, `hf/step_<n>/`.
+     (`gyrejax.train.loop`); nothing else runs;
+  otherwise (`gyrejax.stages`):
+  4. warm start when `warmup.steps > 0`: demonstrations recorded through the harness,
+     then SFT on them;
+  5. a rollout batch: the harness runs groups of executions through JAX engines on every
+     cell; they are stored, and the mean reward is reported.
+Outputs in `workdir`: `layout.json`, `generations.jsonl`; stage 3 `metrics.jsonl`,
+`checkpoints/`, `hf/step_<n>/`; stages 4-5 `demonstrations/`, `warmup/`,
+`executions/`, `rollout_summary.json`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from gyrejax.model import sharding
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import Transformer, count_params, init_model
+from gyrejax.stages import rollout_batch, warm_start
 from gyrejax.train.loop import train_on_store
 
 
@@ -109,6 +116,10 @@ def run(config: Config, workdir: str) -> dict:
     logging.info("generated %d sequences in %.1f s", len(results), elapsed)
     summary = {"layout": layout, "generations": [r.token_ids for r in results]}
 
-    if config.train.executions_dir:
-        summary["train"] = train_on_store(config, cells, model, workdir)
+    if config.train.executions_dir:  # offline: train on a stored set, nothing else
+        summary["train"] = train_on_store(config, cells, model, workdir).summary()
+        return summary
+    if config.warmup.steps:
+        model = warm_start(config, cells, model, out)
+    summary["rollout"] = rollout_batch(config, cells, model, out)
     return summary

@@ -16,7 +16,7 @@ def launch(workdir, *overrides):
     return subprocess.run(
         [
             sys.executable, "-m", "gyrejax.launch", "--config", "configs/tiny_cpu.py:smoke",
-            "--workdir", str(workdir), "--config.train.row_length=256",
+            "--workdir", str(workdir),
             "--config.checkpoint.every_steps=1", "--config.rl.groups_per_step=2", *overrides,
         ],
         cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
@@ -27,7 +27,7 @@ def launch(workdir, *overrides):
 def test_sft_then_rl_steps_on_a_store_with_checkpoints_and_resume(tmp_path):
     store = ExecutionStore(tmp_path / "store")
     executions = generate_executions(
-        3, 2, seed=0, turns=(3, 6), vocab_size=512, system_prompt_tokens=20, task_tokens=(5, 10),
+        3, 2, seed=0, turns=(3, 6), vocab_size=264, system_prompt_tokens=20, task_tokens=(5, 10),
         tool_output_tokens=(5, 20), model_output_tokens=(5, 20), summary_tokens=(5, 10),
         compaction_budget=180, max_call_tokens=256,
     )  # fmt: skip

@@ -40,9 +40,9 @@ from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import SamplingParams
 from gyrejax.trajectory import Execution
 
-MAIN_SYSTEM = "build the files in the spec. actions: write <path>, read <path>, ls, check, "
-MAIN_SYSTEM += "delegate <subtask>, done"
-SUB_SYSTEM = "do the subtask. actions: write <path>, read <path>, ls, check, done <result>"
+# Short on purpose: a byte-level model pays for every byte of every context it trains on.
+MAIN_SYSTEM = "write the spec's files, then: done"
+SUB_SYSTEM = "do the subtask, then: done <result>"
 
 
 class _OutOfTurns(Exception):

@@ -12,6 +12,7 @@ the latest checkpoint. Per-step metrics are appended to `workdir/metrics.jsonl`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -30,7 +31,8 @@ from gyrejax.trajectory import ExecutionStore, PackedBatch, process
 def batch_at(config: Config, store: ExecutionStore, group_ids: list[str], position: int, step: int):
     """The packed batch of `rl.groups_per_step` groups starting at data `position`."""
     groups = [group_ids[(position + i) % len(group_ids)] for i in range(config.rl.groups_per_step)]
-    executions = [ex for g in groups for ex in store.group(g)]
+    by_group = store.groups(list(dict.fromkeys(groups)))
+    executions = [ex for g in dict.fromkeys(groups) for ex in by_group[g]]
     return process(
         executions,
         row_length=config.train.row_length,
@@ -86,12 +88,26 @@ def _log_step(report: StepReport, batch: PackedBatch) -> None:
     )
 
 
-def train_on_store(config: Config, cells: list[Cell], model: Transformer, workdir: str) -> dict:
-    """Runs `config.train.steps` steps on `config.train.executions_dir`; resumes if it can.
+@dataclasses.dataclass(frozen=True)
+class StoreTraining:
+    """What `train_on_store` did; `trainer` holds the trained weights."""
 
-    Returns a summary: steps run now, the final step and version, the last metrics.
-    """
+    steps_run: int  # steps run by this call (0 when resuming a finished run)
+    last_metrics: dict
+    trainer: ElasticTrainer
+
+    def summary(self) -> dict:
+        t = self.trainer
+        return {"steps_run": self.steps_run, "step": t.step, "version": t.version,
+                "last": self.last_metrics}  # fmt: skip
+
+
+def train_on_store(
+    config: Config, cells: list[Cell], model: Transformer, workdir: str | Path
+) -> StoreTraining:
+    """Runs `config.train.steps` steps on `config.train.executions_dir`; resumes if it can."""
     workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     if not Path(config.train.executions_dir).is_dir():
         raise ConfigError(
             f"config.train.executions_dir={config.train.executions_dir}: not a directory"
@@ -143,4 +159,4 @@ def train_on_store(config: Config, cells: list[Cell], model: Transformer, workdi
         if trainer.step != saved_step:
             _checkpoint(trainer, checkpointer, config, workdir, position)
     checkpointer.close()
-    return {"steps_run": steps_run, "step": trainer.step, "version": trainer.version, "last": last}
+    return StoreTraining(steps_run, last, trainer)

@@ -1,0 +1,190 @@
+"""Rollout benchmark: JAX engine vs vLLM engine throughput; migration latency.
+
+  python benchmarks/rollout_bench.py [--quick] [--json PATH]
+
+On the tiny model of configs/tiny_cpu.py (float32, head_dim 64, so vLLM's CPU attention
+serves it), side by side in one run:
+  * throughput: the same workload (32 requests, 64-token prompts, 128 new tokens,
+    greedy) on the JAX engine and on the vLLM engine (skipped with a note if vllm is not
+    installed), after a warm-up run of each; tokens/s is new tokens over wall time;
+  * migration latency as the context grows (1k, 4k, 16k tokens): from the start of an
+    export on one JAX engine until the request's next token on another, with the KV
+    cache copied device to device vs re-submitted (prompt + tokens so far re-prefilled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 2)
+
+import numpy as np  # noqa: E402
+
+from gyrejax.config import ModelConfig  # noqa: E402
+from gyrejax.model.hf_io import export_hf  # noqa: E402
+from gyrejax.model.transformer import init_model  # noqa: E402
+from gyrejax.rollout.jax_engine import JaxEngine  # noqa: E402
+from gyrejax.rollout.types import Request, SamplingParams  # noqa: E402
+
+TINY = ModelConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+    num_kv_heads=2, head_dim=64, rope_theta=10_000.0, attention="blocked",
+    attention_block_size=512,
+)  # fmt: skip
+
+
+def workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, TINY.vocab_size, prompt_len).tolist() for _ in range(n)]
+
+
+async def run_workload(engine, prompts, new_tokens: int, tag: str) -> tuple[float, list]:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    start = time.perf_counter()
+    futures = [engine.submit(Request(f"{tag}{i}", p, sampling)) for i, p in enumerate(prompts)]
+    results = await asyncio.gather(*futures)
+    return time.perf_counter() - start, results
+
+
+async def throughput(engine, prompts, new_tokens: int, reps: int) -> dict:
+    await run_workload(engine, prompts, new_tokens, "warm")  # compiles / warm caches
+    times, outputs = [], None
+    for rep in range(reps):
+        seconds, results = await run_workload(engine, prompts, new_tokens, f"r{rep}-")
+        times.append(seconds)
+        outputs = [r.output_ids.tolist() for r in results]
+    seconds = statistics.median(times)
+    return {
+        "seconds": seconds,
+        "tokens_per_s": len(prompts) * new_tokens / seconds,
+        "outputs": outputs,
+    }
+
+
+async def migration_latency(model, context: int, reps: int) -> dict:
+    """Export after a few tokens, import elsewhere; time to the next token there."""
+    max_len = context + 64
+    a = JaxEngine("a", model, max_slots=1, max_seq_len=max_len, decode_steps=1)
+    b = JaxEngine("b", model, max_slots=1, max_seq_len=max_len, decode_steps=1)
+    prompt = workload(1, context - 8, seed=context)[0]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=40)
+    out = {"context": context}
+    try:
+        for mode in ("kv_copy", "resubmit", "kv_copy", "resubmit")[: 2 * reps]:
+            future = a.submit(Request(f"{mode}{time.time()}", prompt, sampling))
+            base = a.tokens_generated
+            while a.tokens_generated < base + 4:
+                await asyncio.sleep(0.001)
+            start = time.perf_counter()
+            live = await a.export(future_request_id(a))
+            future.cancel()
+            if mode == "resubmit":
+                live = dataclasses.replace(live, kv=None)
+            before = b.tokens_generated
+            moved = b.import_request(live)
+            while b.tokens_generated == before:
+                await asyncio.sleep(0.0005)
+            out.setdefault(mode, []).append(time.perf_counter() - start)
+            b.cancel(live.request.request_id)
+            await moved
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+    # The first try of each mode includes compiles for this context length: report the
+    # last (warm) one when there are several.
+    return {k: (v[-1] if isinstance(v, list) else v) for k, v in out.items()}
+
+
+def future_request_id(engine) -> str:
+    (request_id,) = engine.request_ids()
+    return request_id
+
+
+async def main_async(args) -> dict:
+    model = init_model(TINY)
+    prompts = workload(8 if args.quick else 32, 64)
+    new_tokens = 32 if args.quick else 128
+    reps = 1 if args.quick else 3
+    results: dict = {"requests": len(prompts), "prompt_tokens": 64, "new_tokens": new_tokens}
+
+    engine = JaxEngine("jax", model, max_slots=len(prompts), max_seq_len=256, decode_steps=8)
+    try:
+        results["jax"] = await throughput(engine, prompts, new_tokens, reps)
+    finally:
+        await engine.shutdown()
+
+    try:
+        from gyrejax.rollout.vllm_engine import VllmEngine
+    except ImportError as e:
+        results["vllm"] = {"skipped": f"vllm not installed ({e})"}
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            export_hf(model, directory)
+            start = time.perf_counter()
+            vllm_engine = VllmEngine("vllm", directory, max_slots=len(prompts), max_seq_len=256)
+            startup_s = time.perf_counter() - start
+            try:
+                results["vllm"] = await throughput(vllm_engine, prompts, new_tokens, reps)
+                results["vllm"]["startup_s"] = startup_s
+            finally:
+                await vllm_engine.shutdown()
+        same = sum(
+            x == y
+            for x, y in zip(results["jax"]["outputs"], results["vllm"]["outputs"], strict=True)
+        )
+        results["greedy_outputs_identical"] = f"{same}/{len(prompts)}"
+
+    contexts = (1024,) if args.quick else (1024, 4096, 16384)
+    results["migration"] = [
+        await migration_latency(model, c, 1 if args.quick else 2) for c in contexts
+    ]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    results = asyncio.run(main_async(args))
+
+    print(
+        f"throughput: {results['requests']} requests x {results['prompt_tokens']}-token prompts "
+        f"x {results['new_tokens']} new tokens, greedy, tiny model"
+    )
+    jax_tps = results["jax"]["tokens_per_s"]
+    print(f"  jax engine   {jax_tps:9.0f} tok/s  ({results['jax']['seconds']:.2f} s)")
+    vllm = results["vllm"]
+    if "skipped" in vllm:
+        print(f"  vllm engine  skipped: {vllm['skipped']}")
+    else:
+        print(
+            f"  vllm engine  {vllm['tokens_per_s']:9.0f} tok/s  ({vllm['seconds']:.2f} s; "
+            f"startup {vllm['startup_s']:.1f} s)"
+        )
+        print(f"  jax / vllm   {jax_tps / vllm['tokens_per_s']:9.2f}x; greedy outputs identical: "
+              f"{results['greedy_outputs_identical']}")  # fmt: skip
+    print("\nmigration latency (export until the next token on the other engine):")
+    print(f"  {'context':>8} {'KV copy ms':>11} {'re-submit ms':>13} {'ratio':>6}")
+    for row in results["migration"]:
+        kv, resubmit = row["kv_copy"] * 1e3, row["resubmit"] * 1e3
+        print(f"  {row['context']:>8} {kv:>11.1f} {resubmit:>13.1f} {resubmit / kv:>5.1f}x")
+    if args.json:
+        for engine in ("jax", "vllm"):
+            results[engine].pop("outputs", None)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

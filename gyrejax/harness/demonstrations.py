@@ -1,0 +1,60 @@
+"""Demonstration executions for a supervised warm start.
+
+The environment proposes the actions of a competent but imperfect agent (a per-file
+chance of a mistake, some tasks delegated to a sub-agent); they are replayed through the
+real harness and proxy by a scripted engine, so the recorded calls have exactly the
+contexts the policy will later see, and each execution is scored like any other. SFT on
+them gives the tiny model a non-trivial but imperfect starting reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from gyrejax.config import HarnessConfig
+from gyrejax.harness import tokenizer as tok
+from gyrejax.harness.agent import SUB_SYSTEM, Harness
+from gyrejax.rollout.proxy import Proxy
+from gyrejax.rollout.scripted import ScriptedEngine
+from gyrejax.trajectory import Execution
+
+
+async def demonstration_executions(
+    env,
+    tasks: list,
+    config: HarnessConfig,
+    workdir: str | Path,
+    *,
+    seed: int,
+    quality: float,
+    delegation_prob: float = 0.2,
+) -> list[Execution]:
+    """One scored demonstration execution per task, recorded through the real proxy."""
+    rng = np.random.default_rng(seed)
+    scripts: dict[str, dict[str, list[str]]] = {}
+    for i, task in enumerate(tasks):
+        if rng.random() < delegation_prob and len(task.goals) > 1:
+            main, sub = env.demonstration_with_delegation(task, rng=rng, quality=quality)
+        else:
+            main, sub = env.demonstration(task, rng=rng, quality=quality), []
+        scripts[f"demo-{seed}-{i}"] = {"main": main, "sub": sub}
+
+    def respond(prompt: np.ndarray, request) -> list[int]:
+        execution_id = request.request_id.rsplit("/", 1)[0]
+        if int(prompt[-2]) == tok.SUMMARIZE:
+            return tok.answer("files written so far")
+        kind = "sub" if tok.decode(prompt).startswith(SUB_SYSTEM) else "main"
+        remaining = scripts[execution_id][kind]
+        return tok.answer(remaining.pop(0) if remaining else "done")
+
+    proxy = Proxy([ScriptedEngine("demonstrator", respond)])
+    harness = Harness(proxy, config, workdir, temperature=0.0, environment=env)
+    # Each demonstration is its own group: SFT needs no group-relative advantage.
+    runs = [
+        harness.run_execution(task, execution_id, group_id=execution_id, seed=i)
+        for i, (execution_id, task) in enumerate(zip(scripts, tasks, strict=True))
+    ]
+    return list(await asyncio.gather(*runs))

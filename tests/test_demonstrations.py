@@ -1,0 +1,44 @@
+"""Demonstrations replayed through the real harness: scored, recorded, trainable."""
+
+import asyncio
+
+import numpy as np
+
+from gyrejax.config import HarnessConfig
+from gyrejax.harness import tokenizer as tok
+from gyrejax.harness.demonstrations import demonstration_executions
+from gyrejax.harness.envs.mini_repo import MiniRepoEnv
+from gyrejax.trajectory import process
+
+
+def test_perfect_demonstrations_score_one_and_pack(tmp_path):
+    env = MiniRepoEnv()
+    tasks = env.sample_tasks(6, seed=3, difficulty=[1, 2, 3])
+    executions = asyncio.run(
+        demonstration_executions(
+            env, tasks, HarnessConfig(), tmp_path, seed=0, quality=1.0, delegation_prob=0.5
+        )
+    )
+    assert [e.reward for e in executions] == [1.0] * 6
+    assert all(e.status == "finished" for e in executions)
+    roles = {c.role for e in executions for c in e.calls}
+    assert roles >= {"main", "sub_agent"}  # some demonstrations delegate
+    for e in executions:
+        first = e.calls[0]
+        assert tok.decode(first.prompt_ids).endswith(e.calls[0].prompt_ids.size * "" + "")
+        assert first.prompt_ids[-1] == tok.ASSISTANT and first.output_ids[-1] == tok.EOT
+    batch = process(executions, row_length=2048, j_max=None, vocab_size=tok.VOCAB_SIZE)
+    # Every generated token is trained once: the answers are what SFT learns.
+    generated = sum(len(c.output_ids) for e in executions for c in e.calls)
+    assert batch.stats.admitted_trainable_tokens == generated
+    assert np.isclose(batch.loss_weight.sum(), 1.0)
+
+
+def test_imperfect_demonstrations_have_room_to_improve(tmp_path):
+    env = MiniRepoEnv()
+    tasks = env.sample_tasks(12, seed=4, difficulty=1)
+    executions = asyncio.run(
+        demonstration_executions(env, tasks, HarnessConfig(), tmp_path, seed=1, quality=0.5)
+    )
+    rewards = np.array([e.reward for e in executions])
+    assert 0.2 < rewards.mean() < 0.95
