@@ -224,7 +224,7 @@ class TrainConfig:
     steps: int = 1
     executions_dir: str = ""  # if set, launch trains on this execution store (SFT or RL)
     learning_rate: float = 1e-5
-    row_length: int = 1024  # tokens per packed row.
+    row_length: int = 2048  # tokens per packed row (>= rollout.max_seq_len).
     rows_per_micro_step: int = 1
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0

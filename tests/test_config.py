@@ -14,7 +14,7 @@ def test_defaults_and_tiny_config_build():
     config = from_dict(load_config_file("tiny_cpu"))
     assert config.cells.num_cpu_devices == 8 and config.cells.size == 2
     assert config.model.head_dim == 64
-    assert from_dict(load_config_file("tiny_cpu", "smoke")).model.num_layers == 2
+    assert from_dict(load_config_file("tiny_cpu", "smoke")).model.num_layers == 1
 
 
 def test_values_are_coerced_to_field_types():
@@ -43,6 +43,13 @@ def test_values_are_coerced_to_field_types():
         ({"train": {"learning_rate": -1.0}}, r"config\.train\.learning_rate=-1\.0"),
         ({"generate": {"prompts": [[]]}}, r"config\.generate\.prompts"),
         ({"generate": {"prompts": [[600]]}}, r"token 600 >= model\.vocab_size=512"),
+        ({"train": {"row_length": 512}}, r"config\.train\.row_length=512: must be >= rollout"),
+        (
+            {"harness": {"context_budget_tokens": 1900}},
+            r"config\.rollout\.max_seq_len=2048: must hold harness\.context_budget_tokens",
+        ),
+        ({"warmup": {"quality": 1.5}}, r"config\.warmup\.quality=1\.5: expected a value in"),
+        ({"harness": {"task_pool": -1}}, r"config\.harness\.task_pool=-1"),
         (
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",

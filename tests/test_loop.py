@@ -47,7 +47,7 @@ def test_sft_then_rl_steps_on_a_store_with_checkpoints_and_resume(tmp_path):
         "2",
     ]
     exported = load_hf(work / "hf" / "step_2")
-    assert exported.config.num_layers == 2
+    assert exported.config.num_layers == 1
 
     rl = launch(work, data, "--config.train.steps=3", "--config.rl.loss=ppo")
     assert rl.returncode == 0, rl.stderr[-3000:]
