@@ -122,6 +122,8 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.scheduler.policy = "elastic"
     c.scheduler.phi = 1
     c.scheduler.mu = 1
+    c.scheduler.async_training_cells = 2
+    c.scheduler.progress_every_s = 10.0
 
     # Checkpoints under --workdir.
     c.checkpoint = config_dict.ConfigDict()
@@ -140,6 +142,8 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
         c.warmup.steps = 0
         c.rl.groups_per_step = 1
         c.rl.group_size = 2
+        c.train.steps = 2
+        c.checkpoint.every_steps = 1
         c.harness.max_turns = 2
         c.harness.max_new_tokens = 16
         c.harness.max_retries = 0

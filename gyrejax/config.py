@@ -321,11 +321,15 @@ class SchedulerConfig:
     policy: str = "elastic"
     phi: int = 1  # extra bursts of dispatch depth (staleness bound).
     mu: int = 1  # training steps per weight publication.
+    async_training_cells: int = 1  # the async policy's fixed number of training cells
+    progress_every_s: float = 10.0  # how often the runtime logs its progress line
 
     def __post_init__(self):
         _one_of("scheduler", self, "policy", POLICIES)
         _non_negative("scheduler", self, "phi")
-        _positive("scheduler", self, "mu")
+        _positive("scheduler", self, "mu", "async_training_cells")
+        if not self.progress_every_s > 0:
+            _fail("scheduler.progress_every_s", self.progress_every_s, "expected > 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,11 @@ Overrides: `--config.model.num_layers=4`; variants: `--config configs/tiny_cpu.p
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -37,9 +39,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"gyrejax.launch: {culprit}: unknown config key {key!r}")
 
 
+def _quiet_orbax(record) -> bool:
+    """Orbax logs every checkpoint step at INFO; keep only its warnings and errors."""
+    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    absl_logging.get_absl_handler().addFilter(_quiet_orbax)
     # Import after flag parsing: nothing may touch JAX's devices before the
     # CPU-emulated device count is set from the config.
     import jax

@@ -9,11 +9,14 @@ Stages, in order; each exists only once its module does:
   otherwise (`gyrejax.stages`):
   4. warm start when `warmup.steps > 0`: demonstrations recorded through the harness,
      then SFT on them;
-  5. a rollout batch: the harness runs groups of executions through JAX engines on every
-     cell; they are stored, and the mean reward is reported.
+  5. RL for `train.steps` steps (`gyrejax.scheduler.runtime`): the harness runs groups
+     of executions through JAX engines while the policy (`scheduler.policy`) moves cells
+     between rollout and training; with `train.steps = 0`, one rollout batch instead
+     (executions stored, mean reward reported).
 Outputs in `workdir`: `layout.json`, `generations.jsonl`; stage 3 `metrics.jsonl`,
-`checkpoints/`, `hf/step_<n>/`; stages 4-5 `demonstrations/`, `warmup/`,
-`executions/`, `rollout_summary.json`.
+`checkpoints/`, `hf/step_<n>/`; stage 4 `demonstrations/`, `warmup/`; stage 5
+`executions/`, `metrics.jsonl`, `transitions.jsonl`, `dispatch.jsonl`, `checkpoints/`,
+`cell_roles.png`, `steps.png`, `run_summary.json` (or `rollout_summary.json`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gyrejax.model import sharding
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import Transformer, count_params, init_model
+from gyrejax.scheduler.runtime import Runtime
 from gyrejax.stages import rollout_batch, warm_start
 from gyrejax.train.loop import train_on_store
 
@@ -121,5 +125,8 @@ def run(config: Config, workdir: str) -> dict:
         return summary
     if config.warmup.steps:
         model = warm_start(config, cells, model, out)
-    summary["rollout"] = rollout_batch(config, cells, model, out)
+    if config.train.steps:  # RL with the configured scheduling policy
+        summary["rl"] = Runtime(config, cells, model, out).run()
+    else:  # evaluation only: one batch of executions
+        summary["rollout"] = rollout_batch(config, cells, model, out)
     return summary

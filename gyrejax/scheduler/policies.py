@@ -1,0 +1,270 @@
+"""Cell-role policies: pure logic over counters and capacities, registered by name.
+
+A policy never touches devices. After every event (an execution or group finished, a
+training step finished, a transition finished, a burst began) the driver (the real
+runtime, or the discrete-event simulator) hands it a `View` and carries out the
+`Decision` it returns: role transitions, and how many new groups to dispatch. The same
+policy object therefore drives wall-clock runs and simulations.
+
+Shared rules every driver applies (they are not choices of a policy):
+  * a training step starts whenever the core cell is TRAINING, no step runs, and at least
+    B finished groups are waiting; it uses every TRAINING cell, and cells that reach
+    TRAINING while it runs join it;
+  * a cell leaving TRAINING waits for the step boundary;
+  * after every `mu` training steps the new weights are published to the rollout cells
+    (a burst ends), and the burst counters d(t), p(t), f(t) restart;
+  * groups are trained in the order they finish.
+
+Role switches are serial (DESIGN.md): the training cells are always a prefix of the cell
+order (core first), and rollout work prefers the cells that stay in rollout longest
+(a standalone rollout pool, then the latest cells in the order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+
+class Role(enum.Enum):
+    ROLLOUT = "rollout"
+    TRAINING = "training"
+
+
+@dataclasses.dataclass(frozen=True)
+class CellView:
+    """One cell as a policy sees it.
+
+    Attributes:
+      index: position in the fixed order; 0 is the core cell.
+      role: its role, or the role it is switching to when `switching`.
+      switching: a transition is under way; no decision may target this cell.
+      capacity: executions it serves concurrently in rollout.
+      standalone: a rollout-only pool cell (never trains).
+    """
+
+    index: int
+    role: Role
+    switching: bool
+    capacity: int
+    standalone: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """Everything a policy may look at.
+
+    Attributes:
+      now: seconds since the run started.
+      cells: every cell in the fixed order (standalone pool cells last).
+      group_size: N, executions per group.
+      groups_per_step: B.
+      steps_per_burst: mu, training steps per weight publication.
+      lookahead_bursts: phi, extra bursts of dispatch depth (the staleness bound).
+      burst: index of the current burst.
+      dispatched, started, finished: executions of the current burst (d, p, f).
+      executions_in_flight: dispatched executions not finished yet, of any burst (a
+        lookahead burst may still run when the next one starts).
+      groups_in_flight: dispatched groups with unfinished executions (all bursts).
+      groups_ready: finished groups waiting to be trained.
+      steps_in_burst: training steps completed in the current burst.
+      step_running: a training step is running.
+      groups_remaining: groups the run may still dispatch (None: unlimited).
+    """
+
+    now: float
+    cells: tuple[CellView, ...]
+    group_size: int
+    groups_per_step: int
+    steps_per_burst: int
+    lookahead_bursts: int
+    burst: int
+    dispatched: int
+    started: int
+    finished: int
+    executions_in_flight: int
+    groups_in_flight: int
+    groups_ready: int
+    steps_in_burst: int
+    step_running: bool
+    groups_remaining: int | None = None
+
+    @property
+    def outstanding(self) -> int:
+        """w(t): executions dispatched and not finished (d(t) - f(t), summed over the
+        bursts still running)."""
+        return self.executions_in_flight
+
+    @property
+    def rollout_capacity(self) -> int:
+        """C_R(t): capacity of the cells in (or switching to) rollout."""
+        return sum(c.capacity for c in self.cells if c.role is Role.ROLLOUT)
+
+    @property
+    def depth_groups(self) -> int:
+        """(phi + mu) * B: the most groups dispatched and not yet trained."""
+        return (self.lookahead_bursts + self.steps_per_burst) * self.groups_per_step
+
+    def cell(self, index: int) -> CellView:
+        return self.cells[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the driver does next: role transitions (carried out in the given order),
+    then `dispatch` new groups onto the rollout cells."""
+
+    transitions: tuple[tuple[int, Role], ...] = ()
+    dispatch: int = 0
+
+
+Policy = Callable[[View], Decision]
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(name: str):
+    def register(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return register
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """A new policy object (policies may keep state across decisions)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)
+
+
+def known_policies() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def _undispatched_depth(view: View) -> int:
+    """Groups the dispatch depth still allows: (phi + mu) B - (in flight + ready)."""
+    allowed = view.depth_groups - view.groups_in_flight - view.groups_ready
+    if view.groups_remaining is not None:
+        allowed = min(allowed, view.groups_remaining)
+    return max(0, allowed)
+
+
+def _trainable(cells: tuple[CellView, ...]) -> list[CellView]:
+    return [c for c in cells if not c.standalone]
+
+
+@register_policy("colocate")
+class Colocate:
+    """Every cell rolls out a burst, then every cell trains it, alternating.
+
+    A burst dispatches mu * B groups; once all of them have finished, every cell trains
+    (mu steps); when no full step of data is left, every cell returns to rollout and the
+    next burst is dispatched.
+    """
+
+    def __call__(self, view: View) -> Decision:
+        if any(c.switching for c in view.cells):
+            return Decision()
+        trainable = _trainable(view.cells)
+        training = [c for c in trainable if c.role is Role.TRAINING]
+        if training:
+            if view.groups_ready < view.groups_per_step and not view.step_running:
+                return Decision(tuple((c.index, Role.ROLLOUT) for c in reversed(training)))
+            return Decision()
+        if view.groups_in_flight == 0 and view.groups_ready == 0:
+            want = view.steps_per_burst * view.groups_per_step
+            if view.groups_remaining is not None:
+                want = min(want, view.groups_remaining)
+            return Decision(dispatch=want)
+        if view.groups_in_flight == 0 and view.groups_ready >= view.groups_per_step:
+            return Decision(tuple((c.index, Role.TRAINING) for c in trainable))
+        return Decision()
+
+
+@register_policy("async")
+class Async:
+    """A fixed split: the first `training_cells` cells train, the rest roll out.
+
+    Rollout keeps (phi + mu) * B groups dispatched-or-waiting (bounded staleness);
+    training consumes groups as they become ready.
+    """
+
+    def __init__(self, training_cells: int = 1):
+        if training_cells < 1:
+            raise ValueError(f"async policy: training_cells={training_cells}, expected >= 1")
+        self.training_cells = training_cells
+
+    def __call__(self, view: View) -> Decision:
+        trainable = _trainable(view.cells)
+        if self.training_cells >= len(view.cells):
+            raise ValueError(
+                f"async policy: training_cells={self.training_cells} leaves no rollout cell "
+                f"among {len(view.cells)}"
+            )
+        transitions = []
+        for c in trainable[: self.training_cells]:
+            if c.role is not Role.TRAINING and not c.switching:
+                transitions.append((c.index, Role.TRAINING))
+        return Decision(tuple(transitions), dispatch=_undispatched_depth(view))
+
+
+@register_policy("elastic")
+class Elastic:
+    """The waterlevel trigger (DESIGN.md, Cells and roles).
+
+    During a burst the outstanding work w(t) = d(t) - f(t) only falls. The next cell e in
+    the order may leave rollout when w(t) <= C_R(t) - C_e: the rollout capacity left
+    without it still covers every outstanding execution. At a burst boundary the next
+    burst is dispatched (up to the dispatch depth) and cells return to rollout in
+    reverse order until the rollout capacity covers the work; the core stays in
+    training only if the next step's data is ready.
+
+    Args:
+      min_rollout_cells: cells that never leave rollout (besides a standalone pool).
+    """
+
+    def __init__(self, min_rollout_cells: int = 0):
+        self.min_rollout_cells = min_rollout_cells
+        self._burst_seen = -1
+
+    def __call__(self, view: View) -> Decision:
+        trainable = _trainable(view.cells)
+        dispatch = _undispatched_depth(view)
+        if any(c.switching for c in view.cells):  # serial switches: one at a time
+            return Decision(dispatch=dispatch)
+        if view.burst != self._burst_seen:  # a burst boundary: make room for its dispatch
+            self._burst_seen = view.burst
+            return self._return_for_burst(view, trainable, dispatch)
+        # Waterlevel: the next cell in order leaves rollout while the rest still covers w.
+        rollout = [c for c in trainable if c.role is Role.ROLLOUT]
+        standalone = any(c.standalone for c in view.cells)
+        # Without a standalone pool, one cell keeps serving the lookahead (phi > 0).
+        keep = self.min_rollout_cells + (1 if view.lookahead_bursts and not standalone else 0)
+        capacity = view.rollout_capacity
+        outstanding = view.outstanding + dispatch * view.group_size
+        if capacity == 0 and outstanding > 0:  # work but nobody to serve it: bring one back
+            last = [c for c in trainable if c.role is Role.TRAINING][-1]
+            return Decision(((last.index, Role.ROLLOUT),), dispatch=dispatch)
+        if rollout and len(rollout) > keep and outstanding <= capacity - rollout[0].capacity:
+            return Decision(((rollout[0].index, Role.TRAINING),), dispatch=dispatch)
+        return Decision(dispatch=dispatch)
+
+    def _return_for_burst(self, view: View, trainable, dispatch: int) -> Decision:
+        """Cells return in reverse order until rollout covers the new burst's work."""
+        needed = view.outstanding + dispatch * view.group_size
+        capacity = view.rollout_capacity
+        core_stays = view.groups_ready >= view.groups_per_step
+        transitions = []
+        for cell in reversed(trainable):
+            if capacity >= needed:
+                break
+            if cell.role is not Role.TRAINING:
+                continue
+            if cell.index == trainable[0].index and core_stays:
+                break
+            transitions.append((cell.index, Role.ROLLOUT))
+            capacity += cell.capacity
+        return Decision(tuple(transitions), dispatch=dispatch)

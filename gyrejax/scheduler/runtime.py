@@ -1,0 +1,518 @@
+"""The RL runtime: harness, proxy, engines, trajectory processor and trainer, with cells
+moved between rollout and training by a policy (gyrejax.scheduler.policies).
+
+One asyncio loop drives everything. After every event (an execution or group finished, a
+step finished, a transition finished) the policy sees a `View` and returns a `Decision`;
+the runtime carries it out and applies the driver rules of policies.py:
+
+  * dispatch: each new group g<seq> takes a task from the environment and runs
+    `rl.group_size` executions through the harness; each execution is stored as soon as
+    it ends (`workdir/executions`); a group whose executions all ended is ready;
+  * a training step starts when the core cell is TRAINING, no step runs and
+    `rl.groups_per_step` groups are ready (oldest first); it runs in a worker thread;
+  * transitions run one at a time. rollout -> training: the proxy drains the cell's
+    engine (in-flight requests migrate with their KV cache), its memory is freed, and the
+    cell joins the trainer (mid-step if one runs). training -> rollout: at the step
+    boundary the cell leaves the trainer, its engine gets its memory back, pulls the
+    newest weights and accepts requests again. Every phase is timed and logged
+    (`workdir/transitions.jsonl`);
+  * after every `scheduler.mu` steps the weights are published to the rollout engines
+    and a new burst begins.
+
+Outputs: `metrics.jsonl` (per step: reward, loss, tokens, staleness, step time, roles,
+utilisation), `transitions.jsonl`, checkpoints, the execution store, `dispatch.jsonl`, and
+PNG plots (cell-role timeline, reward and step time per step). Killing the process and
+starting the same command again continues from the last checkpoint with every stored
+execution: groups trained after that checkpoint are trained again (their updates were
+lost with the process), finished executions are never re-run, unfinished ones are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import logging
+
+from gyrejax.cells import Cell
+from gyrejax.config import Config
+from gyrejax.harness.agent import Harness
+from gyrejax.harness.envs import get_environment
+from gyrejax.harness.tasks import draw_tasks
+from gyrejax.model.transformer import Transformer
+from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.proxy import Proxy
+from gyrejax.scheduler import plots
+from gyrejax.scheduler.policies import CellView, Role, View, make_policy
+from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.train.trainer import ElasticTrainer
+from gyrejax.trajectory import Execution, ExecutionStore, process
+
+
+@dataclasses.dataclass
+class _Group:
+    """One dispatched group and what became of it."""
+
+    group_id: str
+    seq: int
+    task: object
+    version: int  # rollout weights when dispatched
+    burst: int
+    executions: dict[str, Execution] = dataclasses.field(default_factory=dict)
+    done: bool = False
+
+
+class Runtime:
+    """Runs `config.train.steps` RL steps with the configured scheduling policy.
+
+    Args:
+      config: the whole run configuration.
+      cells: every cell, in order (cell 0 is the core).
+      model: the starting policy (e.g. after the warm start).
+      workdir: where everything is written (see the module docstring).
+    """
+
+    def __init__(self, config: Config, cells: list[Cell], model: Transformer, workdir: Path):
+        self.config = config
+        self.cells = cells
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.env = get_environment(config.harness.environment)
+        self.trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
+        self.checkpointer = TrainCheckpointer(self.workdir / "checkpoints", config.checkpoint)
+        self.store = ExecutionStore(self.workdir / "executions")
+        policy_kwargs = {}
+        if config.scheduler.policy == "async":
+            policy_kwargs["training_cells"] = config.scheduler.async_training_cells
+        self.policy = make_policy(config.scheduler.policy, **policy_kwargs)
+        self.roles = [Role.ROLLOUT] * len(cells)
+        self.switching = [False] * len(cells)
+        self.engines: dict[int, JaxEngine] = {}
+        self.groups: dict[str, _Group] = {}
+        self.ready: collections.deque[str] = collections.deque()
+        self.trained_groups: list[str] = []
+        self.next_seq = 0
+        self.burst = 0
+        self.steps_in_burst = 0
+        self.burst_base = (0, 0, 0)  # proxy counters (d, p, f) when the burst began
+        self.rollout_version = 0
+        self.step_task: asyncio.Future | None = None
+        self.timeline: list[tuple[float, int, str]] = []
+        self.busy_samples: list[float] = []
+        self._transitions: asyncio.Queue = asyncio.Queue()
+        self._changed: asyncio.Event | None = None
+        self._start = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+        self._failure: BaseException | None = None
+
+    # --- the run ------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        return asyncio.run(self._run())
+
+    async def _run(self) -> dict:
+        self._changed = asyncio.Event()
+        self._start = time.monotonic()
+        self._restore()
+        for cell in self.cells:
+            self.engines[cell.index] = self._new_engine(cell)
+        self.proxy = Proxy(self.engines.values())
+        self.harness = Harness(
+            self.proxy,
+            self.config.harness,
+            self.workdir / "workspaces",
+            temperature=self.config.rollout.temperature,
+            environment=self.env,
+        )
+        for cell in self.cells:
+            self.timeline.append((0.0, cell.index, Role.ROLLOUT.value))
+        self._spawn(self._transition_worker())
+        self._spawn(self._monitor())
+        self._resume_unfinished_groups()
+        try:
+            while self.trainer.step < self.config.train.steps:
+                decision = self.policy(self._view())
+                for _ in range(decision.dispatch):
+                    self._dispatch_group()
+                for index, role in decision.transitions:
+                    self._request_transition(index, role)
+                self._maybe_start_step()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+                self._changed.clear()
+            if self.step_task is not None:
+                await self.step_task
+        finally:
+            await self._shutdown()
+        return self._finish()
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._surface_errors)
+        return task
+
+    def _surface_errors(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logging.error("runtime task failed: %r", task.exception())
+            self._failure = task.exception()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    def _now(self) -> float:
+        return time.monotonic() - self._start
+
+    # --- view -----------------------------------------------------------------------------
+
+    def _view(self) -> View:
+        if self._failure is not None:
+            raise RuntimeError("a runtime task failed") from self._failure
+        counters = self.proxy.counters()
+        d0, p0, f0 = self.burst_base
+        in_flight_groups = sum(1 for g in self.groups.values() if not g.done)
+        executions_in_flight = counters.dispatched - counters.finished
+        capacity = self.config.rollout.max_slots
+        total = self.config.train.steps * self.config.rl.groups_per_step
+        dispatched_groups = self.next_seq
+        return View(
+            now=self._now(),
+            cells=tuple(
+                CellView(c.index, self.roles[c.index], self.switching[c.index], capacity)
+                for c in self.cells
+            ),
+            group_size=self.config.rl.group_size,
+            groups_per_step=self.config.rl.groups_per_step,
+            steps_per_burst=self.config.scheduler.mu,
+            lookahead_bursts=self.config.scheduler.phi,
+            burst=self.burst,
+            dispatched=counters.dispatched - d0,
+            started=counters.started - p0,
+            finished=counters.finished - f0,
+            executions_in_flight=executions_in_flight,
+            groups_in_flight=in_flight_groups,
+            groups_ready=len(self.ready),
+            steps_in_burst=self.steps_in_burst,
+            step_running=self.step_task is not None,
+            groups_remaining=max(0, total - dispatched_groups),
+        )
+
+    # --- rollout ---------------------------------------------------------------------------
+
+    def _new_engine(self, cell: Cell) -> JaxEngine:
+        r = self.config.rollout
+        return JaxEngine(
+            f"cell{cell.index}",
+            self.trainer.model(),
+            cell,
+            max_slots=r.max_slots,
+            max_seq_len=r.max_seq_len,
+            rules=r.sharding_rules,
+            version=self.trainer.version,
+        )
+
+    def _dispatch_group(self) -> None:
+        seq = self.next_seq
+        self.next_seq += 1
+        group = self._make_group(seq, self.rollout_version)
+        with open(self.workdir / "dispatch.jsonl", "a") as f:
+            f.write(json.dumps({"group": group.group_id, "seq": seq, "task": group.task.task_id,
+                                "version": group.version, "time": self._now()}) + "\n")  # fmt: skip
+        self._spawn(self._run_group(group, range(self.config.rl.group_size)))
+
+    def _make_group(self, seq: int, version: int) -> _Group:
+        (task,) = draw_tasks(self.env, self.config.harness, 1, seed=seq, run_seed=self.config.seed)
+        group = _Group(f"g{seq}", seq, task, version, self.burst)
+        self.groups[group.group_id] = group
+        return group
+
+    async def _run_group(self, group: _Group, members) -> None:
+        async def one(i: int) -> None:
+            execution_id = f"{group.group_id}/{i}"
+            seed = group.seq * 1000 + i
+            execution = await self.harness.run_execution(
+                group.task, execution_id, group.group_id, seed
+            )
+            self.store.put(execution, overwrite=True)  # persisted as soon as it ends
+            group.executions[execution_id] = execution
+            self._notify()
+
+        await asyncio.gather(*(one(i) for i in members))
+        group.done = True
+        self.ready.append(group.group_id)
+        self._notify()
+
+    # --- training ---------------------------------------------------------------------------
+
+    def _maybe_start_step(self) -> None:
+        core = self.cells[0].index
+        if (
+            self.step_task is not None
+            or self.roles[core] is not Role.TRAINING
+            or self.switching[core]
+            or len(self.ready) < self.config.rl.groups_per_step
+        ):
+            return
+        group_ids = [self.ready.popleft() for _ in range(self.config.rl.groups_per_step)]
+        self.step_task = self._spawn(self._train_step(group_ids))
+
+    async def _train_step(self, group_ids: list[str]) -> None:
+        config = self.config
+        executions = [e for g in group_ids for e in self.groups[g].executions.values()]
+        batch = process(
+            executions,
+            row_length=config.train.row_length,
+            j_max=config.rl.j_max,
+            seed=config.seed + self.trainer.step,
+            advantage=config.rl.advantage,
+            rows_per_micro_step=config.train.rows_per_micro_step,
+            vocab_size=config.model.vocab_size,
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            if batch.num_micro_steps == 0:
+                logging.warning("groups %s have nothing to train; skipped", group_ids)
+                self.trained_groups += group_ids
+                return
+            report = await loop.run_in_executor(None, self.trainer.train_step, batch)
+            self.trained_groups += group_ids
+            self.steps_in_burst += 1
+            self._record_step(report, batch, group_ids)
+            if self.trainer.step % config.checkpoint.every_steps == 0:
+                await loop.run_in_executor(None, self._save)
+            if self.steps_in_burst >= config.scheduler.mu:
+                await self._publish()
+        finally:
+            self.step_task = None
+            self._notify()
+
+    async def _publish(self) -> None:
+        """Ends a burst: the rollout engines get the newest weights."""
+        start = time.perf_counter()
+        version = self.trainer.version
+        live = [
+            e for i, e in self.engines.items()
+            if self.roles[i] is Role.ROLLOUT and not self.switching[i]
+        ]  # fmt: skip
+        await asyncio.gather(*(e.update_weights(self.trainer.params, version) for e in live))
+        self.rollout_version = version
+        self.burst += 1
+        self.steps_in_burst = 0
+        c = self.proxy.counters()
+        self.burst_base = (c.dispatched, c.started, c.finished)
+        phases = {"publish_s": time.perf_counter() - start, "version": version}
+        self._log_transition(None, "publish", {**phases, "engines": len(live)})
+
+    def _record_step(self, report, batch, group_ids: list[str]) -> None:
+        rewards = [
+            e.reward
+            for g in group_ids
+            for e in self.groups[g].executions.values()
+            if e.reward is not None
+        ]
+        recent = self.busy_samples[-40:]
+        record = {
+            "step": report.step,
+            "version": report.version,
+            "time_s": self._now(),
+            "policy": self.config.scheduler.policy,
+            "reward": float(np.mean(rewards)) if rewards else None,
+            "groups": group_ids,
+            **report.metrics,
+            "skipped": report.skipped,
+            "cells": list(report.cells),
+            "step_s": report.step_s,
+            "rows": int(batch.tokens.shape[0]),
+            "roles": "".join(r.value[0].upper() for r in self.roles),
+            "utilisation": float(np.mean(recent)) if recent else None,
+            "joins": [dataclasses.asdict(j) for j in report.joins],
+            "leaves": [dataclasses.asdict(r) for r in report.released],
+        }
+        with open(self.workdir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logging.info(
+            "step %d: reward %.3f loss %.4f tokens %d staleness %.1f cells %s roles %s (%.1f s)",
+            report.step, record["reward"] or 0.0, report.metrics.get("loss", float("nan")),
+            int(report.metrics.get("tokens", 0)), report.metrics.get("staleness_mean", 0.0),
+            list(report.cells), record["roles"], report.step_s,
+        )  # fmt: skip
+
+    # --- transitions ------------------------------------------------------------------------
+
+    def _request_transition(self, index: int, role: Role) -> None:
+        if self.switching[index] or self.roles[index] is role:
+            return
+        self.switching[index] = True
+        self.roles[index] = role  # the View shows the target role while switching
+        self._transitions.put_nowait((index, role))
+
+    async def _transition_worker(self) -> None:
+        while True:
+            index, role = await self._transitions.get()
+            start = time.perf_counter()
+            cell = self.cells[index]
+            self.timeline.append((self._now(), index, "switching"))
+            if role is Role.TRAINING:
+                phases = await self._to_training(cell)
+            else:
+                phases = await self._to_rollout(cell)
+            self.switching[index] = False
+            self.timeline.append((self._now(), index, role.value))
+            phases["total_s"] = time.perf_counter() - start
+            self._log_transition(index, f"to_{role.value}", phases)
+            self._notify()
+
+    async def _to_training(self, cell: Cell) -> dict:
+        engine = self.engines[cell.index]
+        t0 = time.perf_counter()
+        report = await self.proxy.drain(engine.name)
+        t1 = time.perf_counter()
+        await engine.release_memory()
+        t2 = time.perf_counter()
+        if not cell.is_core:
+            self.trainer.join(cell)
+        return {"drain_s": t1 - t0, "migrated": report.migrated, "kv_copies": report.kv_copies,
+                "resubmits": report.resubmits, "free_s": t2 - t1}  # fmt: skip
+
+    async def _to_rollout(self, cell: Cell) -> dict:
+        t0 = time.perf_counter()
+        if not cell.is_core:
+            self.trainer.release(cell)  # takes effect at the step boundary
+        while self.step_task is not None and (
+            cell.is_core or any(c.index == cell.index for c in self.trainer.training)
+        ):
+            await asyncio.sleep(0.01)
+        t1 = time.perf_counter()
+        engine = self.engines[cell.index]
+        await engine.resume()
+        await engine.update_weights(self.trainer.params, self.trainer.version)
+        t2 = time.perf_counter()
+        self.proxy.set_accepting(engine.name, True)
+        return {"wait_boundary_s": t1 - t0, "weight_pull_s": t2 - t1}
+
+    def _log_transition(self, index: int | None, kind: str, phases: dict) -> None:
+        record = {"time_s": self._now(), "cell": index, "kind": kind, "burst": self.burst, **phases}
+        with open(self.workdir / "transitions.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logging.info("transition %s cell %s: %s", kind, index, phases)
+
+    # --- monitoring, checkpoints, resume -----------------------------------------------------
+
+    async def _monitor(self) -> None:
+        """Samples cell utilisation and prints a progress line now and then."""
+        last_print = 0.0
+        while True:
+            await asyncio.sleep(0.25)
+            in_flight = self.proxy.counters().in_flight
+            training = {c.index for c in self.trainer.training}
+            busy = []
+            for cell in self.cells:
+                if self.switching[cell.index]:
+                    busy.append(0.0)
+                elif self.roles[cell.index] is Role.ROLLOUT:
+                    busy.append(float(in_flight.get(f"cell{cell.index}", 0) > 0))
+                else:
+                    busy.append(float(self.step_task is not None and cell.index in training))
+            self.busy_samples.append(float(np.mean(busy)))
+            if self._now() - last_print >= self.config.scheduler.progress_every_s:
+                last_print = self._now()
+                roles = "".join(
+                    "s" if self.switching[i] else self.roles[i].value[0].upper()
+                    for i in range(len(self.cells))
+                )
+                logging.info(
+                    "progress: step %d/%d, burst %d, roles %s, %d groups ready, %d executions "
+                    "running", self.trainer.step, self.config.train.steps, self.burst, roles,
+                    len(self.ready), sum(in_flight.values()),
+                )  # fmt: skip
+
+    def _save(self) -> None:
+        self.trainer.save(
+            self.checkpointer,
+            {"trained_groups": self.trained_groups, "next_seq": self.next_seq,
+             "burst": self.burst, "seed": self.config.seed},
+        )  # fmt: skip
+
+    def _restore(self) -> None:
+        if self.checkpointer.latest_step() is None:
+            return
+        meta = self.trainer.restore(self.checkpointer)
+        self.trained_groups = list(meta["trained_groups"])
+        self.burst = int(meta["burst"])
+        self.rollout_version = self.trainer.version
+        logging.info("resumed from step %d (%d groups trained)", self.trainer.step,
+                     len(self.trained_groups))  # fmt: skip
+
+    def _resume_unfinished_groups(self) -> None:
+        """Groups dispatched before a restart: finished ones are ready again (unless
+        trained before the checkpoint), missing executions run again."""
+        log = self.workdir / "dispatch.jsonl"
+        if not log.exists():
+            return
+        trained = set(self.trained_groups)
+        entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        self.next_seq = max((e["seq"] for e in entries), default=-1) + 1
+        for entry in entries:
+            if entry["group"] in trained:
+                continue
+            group = self._make_group(entry["seq"], entry["version"])
+            for execution in self.store.group(group.group_id):
+                group.executions[execution.execution_id] = execution
+            missing = [i for i in range(self.config.rl.group_size)
+                       if f"{group.group_id}/{i}" not in group.executions]  # fmt: skip
+            if missing:
+                self._spawn(self._run_group(group, missing))
+            else:
+                group.done = True
+                self.ready.append(group.group_id)
+        logging.info("resume: %d groups ready, %d re-running", len(self.ready),
+                     sum(not g.done for g in self.groups.values()))  # fmt: skip
+
+    async def _shutdown(self) -> None:
+        for group in self.groups.values():
+            if not group.done:  # its request ids all start with "<group id>/"
+                self.proxy.cancel_execution(group.group_id)
+        for task in list(self._tasks):
+            if task is not self.step_task:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for engine in self.engines.values():
+            await engine.shutdown()
+        if self.trainer.step and self.checkpointer.latest_step() != self.trainer.step:
+            self._save()
+        self.checkpointer.close()
+
+    def _finish(self) -> dict:
+        records = _read_jsonl(self.workdir / "metrics.jsonl")
+        transitions = _read_jsonl(self.workdir / "transitions.jsonl")
+        plots.write_all(self.workdir, records, self.timeline, len(self.cells), self._now())
+        rewards = [r["reward"] for r in records if r.get("reward") is not None]
+        k = max(1, len(rewards) // 4)
+        summary = {
+            "policy": self.config.scheduler.policy,
+            "steps": self.trainer.step,
+            "wall_s": self._now(),
+            "reward_first": float(np.mean(rewards[:k])) if rewards else None,
+            "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+            "utilisation": float(np.mean(self.busy_samples)) if self.busy_samples else None,
+            "transitions": collections.Counter(t["kind"] for t in transitions),
+        }
+        (self.workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        logging.info("run finished: %s", summary)
+        return summary
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
