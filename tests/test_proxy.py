@@ -160,6 +160,29 @@ def test_no_engine_left_is_an_error(model):
     asyncio.run(body())
 
 
+def test_calls_wait_while_every_engine_switches_roles(model):
+    """All cells in training (none accepts): a call waits for one to come back; with no
+    engine back within engine_wait_s it fails with one clear error."""
+    reference = generate(model, [PROMPT], max_new_tokens=LONG.max_new_tokens)[0]
+
+    async def body():
+        proxy = Proxy(engines(model, n=1), engine_wait_s=0.3)
+        try:
+            proxy.set_accepting("e0", False)
+            with pytest.raises(NoEngineError, match=r"engine_wait_s=0\.3"):
+                await proxy.generate("x", "main", "main", PROMPT, LONG)
+            proxy.engine_wait_s = 60.0
+            call = asyncio.ensure_future(proxy.generate("y", "main", "main", PROMPT, LONG))
+            await asyncio.sleep(0.3)
+            assert not call.done()  # waiting, not failed
+            proxy.set_accepting("e0", True)
+            return await call
+        finally:
+            await shutdown(proxy)
+
+    assert_matches(asyncio.run(body()), reference)
+
+
 def test_weights_published_mid_flight_version_every_token(model):
     new = jax.tree.map(lambda x: x * 1.3, nnx.to_pure_dict(nnx.state(model)))
 

@@ -13,6 +13,9 @@ result whatever happened underneath:
   * Engine failure (raises, dies, or makes no progress for `hang_timeout_s` while it
     holds work): its requests are retried elsewhere from the start, counted and logged;
     no execution is lost while any engine lives.
+  * While live engines exist but none accepts requests (every cell is switching roles,
+    e.g. all of them trained and the next burst's cells are coming back), a call waits
+    up to `engine_wait_s` for one to accept instead of failing.
 
 Counters for the scheduler: executions dispatched, started and finished (DESIGN.md's
 d(t), p(t), f(t)), and requests in flight per engine.
@@ -96,6 +99,8 @@ class Proxy:
       hang_timeout_s: an engine that holds requests but shows no progress (its
         `heartbeat`) for this long is declared failed.
       max_attempts: tries per request across engine failures.
+      engine_wait_s: how long a call waits for an engine to accept while every live
+        engine refuses (switching roles) before `NoEngineError`.
     """
 
     def __init__(
@@ -104,9 +109,12 @@ class Proxy:
         *,
         hang_timeout_s: float = 120.0,
         max_attempts: int = 3,
+        engine_wait_s: float = 600.0,
     ):
         self.hang_timeout_s = hang_timeout_s
         self.max_attempts = max_attempts
+        self.engine_wait_s = engine_wait_s
+        self._accepting_changed = asyncio.Event()  # an engine was added or accepts again
         self._engines: dict[str, _EngineState] = {}
         self._home: dict[str, str] = {}  # execution -> engine (sticky routing)
         self._calls: dict[str, list[ModelCall]] = collections.defaultdict(list)
@@ -125,6 +133,7 @@ class Proxy:
         if engine.name in self._engines:
             raise ValueError(f"engine {engine.name!r} is already registered")
         self._engines[engine.name] = _EngineState(engine)
+        self._accepting_changed.set()
 
     def remove_engine(self, name: str) -> Engine:
         state = self._engines[name]
@@ -135,6 +144,8 @@ class Proxy:
 
     def set_accepting(self, name: str, accepting: bool) -> None:
         self._engines[name].accepting = accepting
+        if accepting:
+            self._accepting_changed.set()
 
     def engines(self) -> list[Engine]:
         return [s.engine for s in self._engines.values()]
@@ -219,7 +230,7 @@ class Proxy:
             if state is not None:
                 state.reserved -= 1
             if state is None or state.failed:
-                state = self._route(execution_id)
+                state = await self._route(execution_id)
             engine = state.engine
             if live is not None and live.kv is not None and not engine.exports_kv:
                 live = dataclasses.replace(live, kv=None)  # vLLM: re-submit instead
@@ -252,10 +263,24 @@ class Proxy:
                 state.in_flight.discard(request.request_id)
                 self._requests.pop(request.request_id, None)
 
-    def _route(self, execution_id: str) -> _EngineState:
-        candidates = [s for s in self._engines.values() if s.accepting and not s.failed]
-        if not candidates:
-            raise NoEngineError("no live engine accepts requests")
+    async def _route(self, execution_id: str) -> _EngineState:
+        deadline = time.monotonic() + self.engine_wait_s
+        while True:
+            candidates = [s for s in self._engines.values() if s.accepting and not s.failed]
+            if candidates:
+                break
+            if all(s.failed for s in self._engines.values()):
+                raise NoEngineError("no live engine accepts requests")
+            # Live engines all refuse for now (switching roles): wait for one to accept.
+            self._accepting_changed.clear()
+            try:
+                await asyncio.wait_for(
+                    self._accepting_changed.wait(), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                raise NoEngineError(
+                    f"no engine accepted requests for engine_wait_s={self.engine_wait_s} s"
+                ) from None
         home = self._engines.get(self._home.get(execution_id, ""))
         if home is not None and home in candidates and home.occupancy < 1:
             return home
@@ -268,6 +293,7 @@ class Proxy:
             state.failed = True
             state.accepting = False
             state.failure.set()
+            self._accepting_changed.set()  # waiting calls re-check: maybe none is left
             logging.error("engine %s failed (%s); its requests move", state.engine.name, reason)
 
     # --- hang detection -------------------------------------------------------------------

@@ -1,0 +1,259 @@
+"""Serves one `Engine` over HTTP, so a proxy on another host can use it (`HttpEngine`).
+
+  python -m gyrejax.serve.engine_server --hf_dir=/ckpt/step_12 --port=8100 --name=e3
+
+loads the HF checkpoint into a `JaxEngine` and prints `serving engine e3 at http://...`
+once it accepts requests (`--engine=scripted` serves a model-free `ScriptedEngine` for
+smoke tests). In code: `url = await EngineServer(engine).start(host, port)`.
+
+Endpoints (JSON bodies; token arrays as lists of ints; errors use the OpenAI envelope
+`{"error": {"message", "type", "param"}}` naming the field):
+
+  POST /v1/engine/submit   {"request": {request_id, prompt_ids, sampling}}
+  POST /v1/engine/import   {"live": {request, output_ids, logprobs, versions, engines}}
+      Long-poll: the answer comes when the request ends: {"completion": {...}} or, if it
+      was exported meanwhile, {"migrated": <live>}. 400 bad request, 409 duplicate id,
+      503 the engine failed. A client that hangs up cancels the request.
+  POST /v1/engine/export   {"request_id"}  -> <live> (404 if not held). The KV cache
+      stays behind: the importer re-computes it from prompt + tokens so far.
+  POST /v1/engine/cancel   {"request_id"}
+  POST /v1/engine/update_weights {"path": HF checkpoint dir on this host, "version"}
+  POST /v1/engine/release_memory, /v1/engine/resume
+  GET  /v1/engine/status   {name, capacity, load, version, request_ids, heartbeat_age_s}
+  GET  /health             {"ok": true}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from absl import app, flags, logging
+from aiohttp import web
+
+from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.types import EngineError, RequestMigrated
+from gyrejax.serve import wire
+from gyrejax.serve.http import HttpError, make_app, read_json, start_site
+from gyrejax.serve.wire import ENGINE_PREFIX as PREFIX
+
+
+class EngineServer:
+    """HTTP front of one engine (see module docstring for the endpoints).
+
+    Args:
+      engine: the engine to serve; the server never shuts it down (its owner does).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = make_app()
+        self.app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get(f"{PREFIX}/status", self._status),
+                web.post(f"{PREFIX}/submit", self._submit),
+                web.post(f"{PREFIX}/import", self._submit),
+                web.post(f"{PREFIX}/export", self._export),
+                web.post(f"{PREFIX}/cancel", self._cancel),
+                web.post(f"{PREFIX}/update_weights", self._update_weights),
+                web.post(f"{PREFIX}/release_memory", self._release_memory),
+                web.post(f"{PREFIX}/resume", self._resume),
+            ]
+        )
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Starts serving on the running event loop; returns the base URL."""
+        self._runner, bound = await start_site(self.app, host, port)
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        """Stops serving (long-polls in progress are cut; the engine keeps running)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- handlers -------------------------------------------------------------------------
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "name": self.engine.name})
+
+    async def _status(self, _: web.Request) -> web.Response:
+        heartbeat = getattr(self.engine, "heartbeat", None)
+        return web.json_response(
+            {
+                "name": self.engine.name,
+                "capacity": self.engine.capacity,
+                "load": self.engine.load,
+                "version": self.engine.version,
+                "request_ids": self.engine.request_ids(),
+                "heartbeat_age_s": None if heartbeat is None else time.monotonic() - heartbeat,
+            }
+        )
+
+    async def _submit(self, http_request: web.Request) -> web.Response:
+        body = await read_json(http_request)
+        importing = http_request.path.endswith("/import")
+        if importing:
+            live = wire.live_from_json(wire.get(body, "live"), "live.")
+            request = live.request
+        else:
+            request = wire.request_from_json(wire.get(body, "request"), "request.")
+        if request.request_id in self.engine.request_ids():
+            raise HttpError(
+                409,
+                f"request {request.request_id!r} is already held by engine {self.engine.name}",
+                "conflict",
+                "request_id",
+            )
+        try:
+            future = self.engine.import_request(live) if importing else self.engine.submit(request)
+        except EngineError as e:
+            raise HttpError(503, str(e), "engine_error") from None
+        except ValueError as e:  # the engine refused it (vocabulary, context length, ...)
+            raise HttpError(400, str(e), "invalid_request_error", "request") from None
+        try:
+            completion = await future
+        except asyncio.CancelledError:  # the client hung up: free the slot
+            self.engine.cancel(request.request_id)
+            raise
+        except RequestMigrated as migrated:
+            return web.json_response({"migrated": wire.live_to_json(migrated.live)})
+        except EngineError as e:
+            raise HttpError(503, str(e), "engine_error") from None
+        except ValueError as e:
+            raise HttpError(400, str(e), "invalid_request_error", "request") from None
+        return web.json_response({"completion": wire.completion_to_json(completion)})
+
+    async def _export(self, http_request: web.Request) -> web.Response:
+        body = await read_json(http_request)
+        request_id = wire.as_str(wire.get(body, "request_id"), "request_id")
+        try:
+            live = await self.engine.export(request_id)
+        except KeyError as e:  # finished meanwhile, or never here
+            raise HttpError(
+                404, str(e.args[0] if e.args else e), "not_found", "request_id"
+            ) from None
+        except EngineError as e:
+            raise HttpError(503, str(e), "engine_error") from None
+        return web.json_response(wire.live_to_json(live))
+
+    async def _cancel(self, http_request: web.Request) -> web.Response:
+        body = await read_json(http_request)
+        self.engine.cancel(wire.as_str(wire.get(body, "request_id"), "request_id"))
+        return web.json_response({"ok": True})
+
+    async def _update_weights(self, http_request: web.Request) -> web.Response:
+        """Loads an HF checkpoint directory visible on this host (the mixed-fleet path:
+        the trainer exports once, every JAX or vLLM engine reloads the same files)."""
+        body = await read_json(http_request)
+        path = wire.as_str(wire.get(body, "path"), "path")
+        version = wire.as_int(wire.get(body, "version"), "version", lo=0)
+        if not os.path.isdir(path):
+            raise HttpError(
+                400,
+                f"path: {path!r} is not a directory on engine {self.engine.name}'s host",
+                "invalid_request_error",
+                "path",
+            )
+        try:
+            await self.engine.update_weights(path, version)
+        except EngineError as e:
+            raise HttpError(503, str(e), "engine_error") from None
+        except (ValueError, TypeError) as e:  # CheckpointError is a ValueError
+            raise HttpError(400, f"path: {e}", "invalid_request_error", "path") from None
+        return web.json_response({"ok": True, "version": self.engine.version})
+
+    async def _release_memory(self, _: web.Request) -> web.Response:
+        try:
+            await self.engine.release_memory()
+        except RuntimeError as e:  # requests still in flight
+            raise HttpError(409, str(e), "conflict") from None
+        return web.json_response({"ok": True})
+
+    async def _resume(self, _: web.Request) -> web.Response:
+        await self.engine.resume()
+        return web.json_response({"ok": True})
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def scripted_answer(prompt_ids, request) -> list[int]:
+    """The `--engine=scripted` policy: the last four prompt tokens, reversed.
+
+    Deterministic in the prompt, so a test can tell which prompt an answer belongs to.
+    """
+    return [int(t) for t in prompt_ids[-4:][::-1]]
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so importing this
+    module next to another CLI defines nothing)."""
+    flags.DEFINE_enum("engine", "jax", ["jax", "scripted"], "What to serve.")
+    flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (--engine=jax).")
+    flags.DEFINE_string("name", "remote", "Engine name (appears in every record it serves).")
+    flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on.")
+    flags.DEFINE_integer("port", 8100, "Port (0 picks a free one; the banner says which).")
+    flags.DEFINE_integer("max_slots", 8, "Concurrent requests (--engine=jax).")
+    flags.DEFINE_integer("max_seq_len", 2048, "Prompt + output tokens per request.")
+    flags.DEFINE_integer("decode_steps", 8, "Decode steps per compiled call.")
+    flags.DEFINE_integer("version", 0, "Policy version of the served weights.")
+    flags.DEFINE_float("scripted_delay_s", 0.0, "Answer delay of --engine=scripted.")
+
+
+def build_engine() -> Engine:
+    """The engine the flags describe (JAX is imported only for --engine=jax)."""
+    if FLAGS.engine == "scripted":
+        from gyrejax.rollout.scripted import ScriptedEngine
+
+        return ScriptedEngine(
+            FLAGS.name, scripted_answer, version=FLAGS.version, delay_s=FLAGS.scripted_delay_s
+        )
+    if not FLAGS.hf_dir:
+        raise app.UsageError("--engine=jax needs --hf_dir")
+    from gyrejax.model.hf_io import load_hf
+    from gyrejax.rollout.jax_engine import JaxEngine
+
+    return JaxEngine(
+        FLAGS.name,
+        load_hf(FLAGS.hf_dir),
+        max_slots=FLAGS.max_slots,
+        max_seq_len=FLAGS.max_seq_len,
+        decode_steps=FLAGS.decode_steps,
+        version=FLAGS.version,
+    )
+
+
+async def serve_forever(engine: Engine, host: str, port: int) -> None:
+    """Serves `engine` until cancelled; prints the URL once it accepts requests."""
+    server = EngineServer(engine)
+    url = await server.start(host, port)
+    print(f"serving engine {engine.name} at {url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+        await engine.shutdown()
+
+
+def main(argv) -> None:
+    del argv
+
+    async def run():
+        await serve_forever(build_engine(), FLAGS.host, FLAGS.port)
+
+    logging.info("starting %s engine %s", FLAGS.engine, FLAGS.name)
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,548 @@
+"""An OpenAI-compatible HTTP door to the proxy, so black-box harnesses can be trained.
+
+Every request goes through `Proxy.generate(execution_id, agent_id, role, prompt_ids,
+sampling)` with exactly the arguments the in-process harness would pass, so the
+recorded `ModelCall`s (token-in/token-out, behaviour log-probs, versions, engines) are
+the same as if the harness ran in process.
+
+Lifecycle of an execution (explicit, so the scheduler's counters stay true and a stray
+client cannot create executions nobody will collect):
+
+  POST /v1/executions {"execution_id"?, "task_id"?, "group_id"?}
+      -> {"execution_id", "api_key"}: counts it dispatched; the id is the API key.
+  ... the harness calls /v1/chat/completions or /v1/completions with
+      `Authorization: Bearer <execution id>` (what an OpenAI client sends as its API
+      key) or `X-Gyrejax-Execution: <execution id>` (wins over the bearer token).
+      Optional headers: `X-Gyrejax-Agent` (default "main") and `X-Gyrejax-Role`
+      (default "main"; a registered role such as "sub_agent").
+  POST /v1/executions/{id}/finish {"status"?, "reward"?, "eval_attempts"?}
+      -> the `Execution` record as JSON (calls with token ids); requests still in
+      flight are cancelled first, and the record is put in the `ExecutionStore` if the
+      server has one. Later requests with that key get 404.
+  GET /v1/executions/{id} -> {"execution_id", "calls", "in_flight"}.
+
+Chat prompts come from a `ChatTemplate` (the byte layout by default). Assistant turns
+the policy generated are spliced back in as its exact output ids, found by tool-call
+id or canonical form (`generated.GeneratedTurns`), so a harness that re-serialises
+them does not fork the trajectory tree.
+
+Sampling fields: temperature, top_p, top_k (extension), max_tokens or
+max_completion_tokens, seed (default: crc32("<execution id>/<request index>"), so
+retries of the same prompt sample afresh yet a rerun is reproducible), stop (strings
+that are one token each), stop_token_ids (extension), logprobs (the sampled token's
+behaviour log-prob only), stream (the whole answer in one chunk, then [DONE]).
+Unsupported values (n > 1, penalties, logit_bias, top_logprobs > 0, batched prompts)
+are refused with a 400 naming the field rather than silently ignored, because
+sampling that differs from what was asked would corrupt the training data's meaning.
+Extension `return_token_ids: true` adds `prompt_token_ids` and `token_ids` to a choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+import zlib
+from typing import Any
+
+from absl import app, flags, logging
+from aiohttp import web
+
+from gyrejax.rollout.proxy import NoEngineError, Proxy
+from gyrejax.rollout.types import EngineError, SamplingParams
+from gyrejax.serve import wire
+from gyrejax.serve.chat import (
+    ByteChatTemplate,
+    ChatTemplate,
+    ToolCall,
+    parse_messages,
+    parse_tools,
+    split_tool_calls,
+)
+from gyrejax.serve.generated import GeneratedTurns
+from gyrejax.serve.http import HttpError, make_app, read_json, start_site
+from gyrejax.serve.wire import FieldError, as_float, as_int, get
+from gyrejax.trajectory import STATUSES, Execution, ExecutionStore, role_priority
+
+EXECUTION_HEADER = "X-Gyrejax-Execution"
+AGENT_HEADER = "X-Gyrejax-Agent"
+ROLE_HEADER = "X-Gyrejax-Role"
+
+
+@dataclasses.dataclass
+class _Execution:
+    """Server-side state of one execution."""
+
+    execution_id: str
+    task_id: str
+    group_id: str
+    turns: GeneratedTurns = dataclasses.field(default_factory=GeneratedTurns)
+    requests: int = 0  # requests made (seeds the default sampling seed)
+    in_flight: int = 0
+    idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+class OpenAIServer:
+    """Serves the OpenAI API in front of a proxy (see module docstring).
+
+    Args:
+      proxy: records and routes every call.
+      template: prompt layout and tokenizer; `ByteChatTemplate()` by default.
+      store: where finished executions are persisted (None: only returned).
+      model_name: the model id reported by /v1/models and in answers.
+      default_max_tokens: max_tokens when a request gives none.
+      finish_timeout_s: how long finish waits for cancelled requests to end.
+    """
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        template: ChatTemplate | None = None,
+        *,
+        store: ExecutionStore | None = None,
+        model_name: str = "gyrejax",
+        default_max_tokens: int = 256,
+        finish_timeout_s: float = 30.0,
+    ):
+        self.proxy = proxy
+        self.template = template if template is not None else ByteChatTemplate()
+        self.store = store
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.finish_timeout_s = finish_timeout_s
+        self.url: str | None = None
+        self._executions: dict[str, _Execution] = {}
+        self._runner: web.AppRunner | None = None
+        self.app = make_app()
+        self.app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get("/v1/models", self._models),
+                web.post("/v1/executions", self._start_execution),
+                web.get("/v1/executions/{execution_id}", self._execution_status),
+                web.post("/v1/executions/{execution_id}/finish", self._finish_execution),
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completions),
+            ]
+        )
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Starts serving on the running event loop; returns the base URL (…/v1 is the
+        OpenAI `base_url`)."""
+        self._runner, bound = await start_site(self.app, host, port)
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- executions -----------------------------------------------------------------------
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "executions": len(self._executions)})
+
+    async def _models(self, _: web.Request) -> web.Response:
+        model = {"id": self.model_name, "object": "model", "owned_by": "gyrejax", "created": 0}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _start_execution(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        execution_id = wire.as_str(
+            get(body, "execution_id", default=f"x-{uuid.uuid4().hex[:16]}"), "execution_id"
+        )
+        if not execution_id:
+            raise FieldError("execution_id", "empty")
+        if execution_id in self._executions:
+            raise HttpError(
+                409,
+                f"execution_id: {execution_id!r} is already running",
+                "conflict",
+                "execution_id",
+            )
+        state = _Execution(
+            execution_id,
+            task_id=wire.as_str(get(body, "task_id", default=""), "task_id"),
+            group_id=wire.as_str(get(body, "group_id", default=execution_id), "group_id"),
+        )
+        state.idle.set()
+        self._executions[execution_id] = state
+        self.proxy.dispatch(execution_id)
+        return web.json_response({"execution_id": execution_id, "api_key": execution_id})
+
+    async def _execution_status(self, request: web.Request) -> web.Response:
+        state = self._known(request.match_info["execution_id"], "execution_id")
+        return web.json_response(
+            {
+                "execution_id": state.execution_id,
+                "calls": len(self.proxy.calls(state.execution_id)),
+                "in_flight": state.in_flight,
+            }
+        )
+
+    async def _finish_execution(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        status = wire.as_str(get(body, "status", default="finished"), "status")
+        if status not in STATUSES:
+            raise FieldError("status", f"{status!r} is not one of {STATUSES}")
+        reward = get(body, "reward", default=None)
+        reward = None if reward is None else as_float(reward, "reward")
+        attempts = as_int(get(body, "eval_attempts", default=0), "eval_attempts", lo=0)
+        state = self._known(request.match_info["execution_id"], "execution_id")
+        del self._executions[state.execution_id]  # no new requests from here on
+        self.proxy.cancel_execution(state.execution_id)
+        try:
+            await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
+        except TimeoutError:
+            logging.warning(
+                "execution %s: %d requests still in flight at finish",
+                state.execution_id,
+                state.in_flight,
+            )
+        execution = Execution(
+            execution_id=state.execution_id,
+            task_id=state.task_id,
+            group_id=state.group_id,
+            calls=self.proxy.finish(state.execution_id),
+            status=status,
+            reward=reward,
+            eval_attempts=attempts,
+        )
+        if self.store is not None:  # durable before we answer: a crash loses nothing
+            await asyncio.to_thread(self.store.put, execution, overwrite=True)
+        return web.json_response(wire.execution_to_json(execution))
+
+    def _known(self, execution_id: str, source: str) -> _Execution:
+        state = self._executions.get(execution_id)
+        if state is None:
+            raise HttpError(
+                404,
+                f"{source}: unknown or finished execution {execution_id!r}; "
+                "start one with POST /v1/executions",
+                "not_found",
+                source,
+            )
+        return state
+
+    def _identify(self, request: web.Request) -> tuple[_Execution, str, str]:
+        """(execution, agent id, role) from the headers."""
+        execution_id = request.headers.get(EXECUTION_HEADER)
+        source = EXECUTION_HEADER
+        if execution_id is None:
+            auth = request.headers.get("Authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise HttpError(
+                    401,
+                    f"no execution: send 'Authorization: Bearer <execution "
+                    f"id>' or '{EXECUTION_HEADER}'",
+                    "authentication_error",
+                    "Authorization",
+                )
+            execution_id, source = token.strip(), "Authorization"
+        state = self._known(execution_id, source)
+        agent_id = request.headers.get(AGENT_HEADER, "main")
+        role = request.headers.get(ROLE_HEADER, "main")
+        try:
+            role_priority(role)
+        except ValueError as e:
+            raise FieldError(ROLE_HEADER, str(e)) from None
+        return state, agent_id, role
+
+    # --- completions ----------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        state, agent_id, role = self._identify(request)
+        messages = parse_messages(get(body, "messages"))
+        tools = parse_tools(body.get("tools"))
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise FieldError("tool_choice", f"{choice!r}; only 'auto' or 'none' are supported")
+        want_logprobs = bool(body.get("logprobs") or False)
+        sampling = self._sampling(body, state)
+        generated = [state.turns.lookup(m) for m in messages]
+        prompt = self.template.render(messages, tools, generated)
+        completion = await self._generate(state, agent_id, role, prompt, sampling)
+
+        text = self.template.decode(completion.output_ids)
+        parse = tools and choice != "none"
+        content, found = split_tool_calls(text) if parse else (text, [])
+        calls = [ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args) for name, args in found]
+        state.turns.remember(completion.output_ids, content, calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in calls
+            ]
+        elif content == "":
+            message["content"] = ""
+        choice_out: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": _finish_reason(completion.finish_reason, bool(calls)),
+            "logprobs": {"content": self._token_logprobs(completion)} if want_logprobs else None,
+        }
+        if body.get("return_token_ids"):
+            choice_out["prompt_token_ids"] = list(prompt)
+            choice_out["token_ids"] = completion.output_ids.tolist()
+        answer = self._envelope("chatcmpl", "chat.completion", choice_out, prompt, completion)
+        if body.get("stream"):
+            delta = {k: v for k, v in message.items() if v is not None}
+            if calls:
+                delta["tool_calls"] = [
+                    {"index": i, **c} for i, c in enumerate(message["tool_calls"])
+                ]
+            return await self._stream(
+                request, answer, "chat.completion.chunk", {"delta": delta}, {"delta": {}}
+            )
+        return web.json_response(answer)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        state, agent_id, role = self._identify(request)
+        prompt = self._prompt_ids(get(body, "prompt"))
+        logprobs = get(body, "logprobs", default=None)
+        if logprobs is not None:
+            as_int(logprobs, "logprobs", lo=0, hi=2)
+        sampling = self._sampling(body, state, stop_base=())
+        completion = await self._generate(state, agent_id, role, prompt, sampling)
+        text = self.template.decode(completion.output_ids)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "finish_reason": _finish_reason(completion.finish_reason, False),
+            "logprobs": None,
+        }
+        if logprobs is not None:
+            tokens = [self.template.decode([t]) for t in completion.output_ids.tolist()]
+            offsets = [0]
+            for t in tokens[:-1]:
+                offsets.append(offsets[-1] + len(t))
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": completion.logprobs.tolist(),
+                "top_logprobs": None,
+                "text_offset": offsets[: len(tokens)],
+            }
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"] = list(prompt)
+            choice["token_ids"] = completion.output_ids.tolist()
+        answer = self._envelope("cmpl", "text_completion", choice, prompt, completion)
+        if body.get("stream"):
+            return await self._stream(
+                request, answer, "text_completion", {"text": text}, {"text": ""}
+            )
+        return web.json_response(answer)
+
+    def _prompt_ids(self, value: Any) -> list[int]:
+        """A completions prompt: text, token ids, or a batch of exactly one of those."""
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise FieldError(
+                    "prompt",
+                    f"a batch of {len(value)} prompts; send one per "
+                    "request (each is one recorded call)",
+                )
+            value = value[0]
+        if isinstance(value, str):
+            ids = self.template.encode(value)
+        else:
+            ids = wire.token_ids(value, "prompt", self.template.vocab_size).tolist()
+        if not ids:
+            raise FieldError("prompt", "empty; expected at least one token")
+        return ids
+
+    def _sampling(
+        self, body: dict, state: _Execution, stop_base: tuple[int, ...] | None = None
+    ) -> SamplingParams:
+        """SamplingParams from the OpenAI fields; refuses what the engines cannot honour."""
+        if as_int(get(body, "n", default=1), "n", lo=1) != 1:
+            raise FieldError("n", f"{body['n']}; only n=1 (each choice is a recorded call)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if as_float(get(body, name, default=0.0), name) != 0.0:
+                raise FieldError(name, f"{body[name]}; penalties are not supported (use 0)")
+        if get(body, "logit_bias", default={}):
+            raise FieldError("logit_bias", "not supported")
+        if as_int(get(body, "top_logprobs", default=0), "top_logprobs", lo=0) != 0:
+            raise FieldError(
+                "top_logprobs",
+                f"{body['top_logprobs']}; only the sampled token's log-prob is available (use 0)",
+            )
+        temperature = as_float(get(body, "temperature", default=1.0), "temperature")
+        if temperature < 0:
+            raise FieldError("temperature", f"{temperature} is negative; expected >= 0")
+        top_p = as_float(get(body, "top_p", default=1.0), "top_p")
+        if not 0 < top_p <= 1:
+            raise FieldError("top_p", f"{top_p} is not in (0, 1]")
+        top_k = as_int(get(body, "top_k", default=0), "top_k", lo=-1)
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = as_int(get(body, key, default=self.default_max_tokens), key, lo=1)
+        default_seed = zlib.crc32(f"{state.execution_id}/{state.requests}".encode()) % 2**31
+        seed = as_int(get(body, "seed", default=default_seed), "seed", lo=0, hi=2**31)
+        stops = list(self.template.stop_ids if stop_base is None else stop_base)
+        raw_stop = get(body, "stop", default=[])
+        for i, text in enumerate(
+            [raw_stop] if isinstance(raw_stop, str) else wire.as_list(raw_stop, "stop")
+        ):
+            ids = self.template.encode(wire.as_str(text, f"stop[{i}]"))
+            if len(ids) != 1:
+                raise FieldError(
+                    f"stop[{i}]",
+                    f"{text!r} is {len(ids)} tokens; engines stop on "
+                    "single tokens (or use stop_token_ids)",
+                )
+            stops += ids
+        extra = wire.token_ids(
+            get(body, "stop_token_ids", default=[]), "stop_token_ids", self.template.vocab_size
+        )
+        stops += [t for t in extra.tolist() if t not in stops]
+        state.requests += 1  # only valid requests advance the default seed
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(top_k, 0),
+            max_new_tokens=max_tokens,
+            stop_ids=tuple(dict.fromkeys(stops)),
+            seed=seed,
+        )
+
+    async def _generate(self, state: _Execution, agent_id: str, role: str, prompt, sampling):
+        """One recorded call; engine trouble is a 503 (the proxy already retried)."""
+        state.in_flight += 1
+        state.idle.clear()
+        try:
+            return await self.proxy.generate(state.execution_id, agent_id, role, prompt, sampling)
+        except (EngineError, NoEngineError) as e:
+            raise HttpError(503, f"no engine could serve the request: {e}", "server_error") from e
+        except ValueError as e:  # an engine refused the prompt (too long, bad token)
+            raise HttpError(400, f"prompt: {e}", "invalid_request_error", "prompt") from None
+        finally:
+            state.in_flight -= 1
+            if state.in_flight == 0:
+                state.idle.set()
+
+    def _token_logprobs(self, completion) -> list[dict]:
+        out = []
+        for token, logprob in zip(
+            completion.output_ids.tolist(), completion.logprobs.tolist(), strict=True
+        ):
+            text = self.template.decode([token])
+            out.append(
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [],
+                }
+            )
+        return out
+
+    def _envelope(self, prefix: str, kind: str, choice: dict, prompt, completion) -> dict:
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(completion.output_ids),
+                "total_tokens": len(prompt) + len(completion.output_ids),
+            },
+        }
+
+    async def _stream(
+        self, request: web.Request, answer: dict, kind: str, first: dict, last: dict
+    ) -> web.StreamResponse:
+        """Server-sent events: the whole answer in one chunk, the finish reason in a
+        second, then [DONE] (generation is not incremental behind the proxy)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        choice = answer["choices"][0]
+        base = {k: answer[k] for k in ("id", "created", "model")} | {"object": kind}
+        chunks = [
+            {
+                **base,
+                "choices": [
+                    {"index": 0, **first, "finish_reason": None, "logprobs": choice.get("logprobs")}
+                ],
+            },
+            {
+                **base,
+                "choices": [{"index": 0, **last, "finish_reason": choice["finish_reason"]}],
+                "usage": answer["usage"],
+            },
+        ]
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _finish_reason(reason: str, tool_calls: bool) -> str:
+    if reason == "stop" and tool_calls:
+        return "tool_calls"
+    return reason  # stop | length | cancelled (the execution was finished meanwhile)
+
+
+# --- command line -------------------------------------------------------------------------
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Flags of the command line (only when run as a program)."""
+    flags.DEFINE_multi_string("engine_url", [], "An EngineServer URL (repeat for several).")
+    flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on.")
+    flags.DEFINE_integer("port", 8000, "Port (0 picks a free one; the banner says which).")
+    flags.DEFINE_string("executions_dir", None, "ExecutionStore directory for records.")
+    flags.DEFINE_string("hf_tokenizer", None, "HF tokenizer directory (default: bytes).")
+    flags.DEFINE_integer("default_max_tokens", 256, "max_tokens when a request gives none.")
+
+
+async def serve_forever() -> None:
+    """`python -m gyrejax.serve.openai_server --engine_url=http://host:8100 ...`."""
+    from gyrejax.serve.http_engine import HttpEngine
+
+    if not FLAGS.engine_url:
+        raise app.UsageError("give at least one --engine_url")
+    template = None
+    if FLAGS.hf_tokenizer:
+        from transformers import AutoTokenizer
+
+        from gyrejax.serve.chat import HfChatTemplate
+
+        template = HfChatTemplate(AutoTokenizer.from_pretrained(FLAGS.hf_tokenizer))
+    engines = [await HttpEngine.connect(url) for url in FLAGS.engine_url]
+    store = ExecutionStore(FLAGS.executions_dir) if FLAGS.executions_dir else None
+    server = OpenAIServer(
+        Proxy(engines), template, store=store, default_max_tokens=FLAGS.default_max_tokens
+    )
+    url = await server.start(FLAGS.host, FLAGS.port)
+    print(f"serving the OpenAI API at {url}/v1 over {len(engines)} engines", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+        for engine in engines:
+            await engine.shutdown()
+
+
+def main(argv) -> None:
+    del argv
+    asyncio.run(serve_forever())
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,249 @@
+"""Engines over HTTP: the proxy routes, drains, retries and publishes weights to remote
+engines exactly as to local ones (in-process servers on free ports, and a server in a
+subprocess that is killed or frozen mid-request)."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from gyrejax.config import ModelConfig
+from gyrejax.model.hf_io import export_hf, load_hf
+from gyrejax.model.sampling import generate
+from gyrejax.model.transformer import init_model
+from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.proxy import Proxy
+from gyrejax.rollout.scripted import ScriptedEngine
+from gyrejax.rollout.types import SamplingParams
+from gyrejax.serve.engine_server import EngineServer, scripted_answer
+from gyrejax.serve.http_engine import HttpEngine
+
+CONFIG = ModelConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+LONG = SamplingParams(temperature=0.0, max_new_tokens=64)
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=1)
+
+
+async def remote_fleet(engines, **client):
+    """Each engine behind its own EngineServer; returns (servers, HttpEngine clients)."""
+    servers = [EngineServer(e) for e in engines]
+    urls = [await s.start() for s in servers]
+    return servers, [await HttpEngine.connect(url, **client) for url in urls]
+
+
+async def close(servers, clients):
+    for client in clients:
+        await client.shutdown()
+    for server in servers:
+        await server.stop()
+        await server.engine.shutdown()
+
+
+def test_proxy_over_http_engines_drains_by_resubmit_and_publishes_weights(model, tmp_path):
+    reference = generate(model, [PROMPT], max_new_tokens=64)[0]
+    checkpoint = export_hf(init_model(CONFIG, seed=2), tmp_path / "step_1")
+    after_update = generate(load_hf(checkpoint), [PROMPT], max_new_tokens=64)[0]
+
+    async def body():
+        local = [
+            JaxEngine(f"e{i}", model, max_slots=4, max_seq_len=128, decode_steps=2)
+            for i in range(2)
+        ]
+        servers, remote = await remote_fleet(local)
+        proxy = Proxy(remote)
+        try:
+            info = [(r.name, r.capacity, r.version, r.exports_kv) for r in remote]
+            calls = [
+                asyncio.create_task(proxy.generate(f"x{i}", "main", "main", PROMPT, LONG))
+                for i in range(3)
+            ]
+            while local[0].tokens_generated < 20:
+                await asyncio.sleep(0.01)
+            held = proxy.counters().in_flight["e0"]
+            report = await proxy.drain("e0")
+            results = await asyncio.gather(*calls)
+            records = [proxy.finish(f"x{i}") for i in range(3)]
+            await remote[0].release_memory()  # drained: it may free its memory, and resume
+            await remote[0].resume()
+            proxy.set_accepting("e0", True)
+            await proxy.update_weights(checkpoint, version=1)
+            updated = await proxy.generate("y", "main", "main", PROMPT, LONG)
+            with pytest.raises(ValueError, match="outside"):  # the engine refuses: a 400
+                await proxy.generate("z", "main", "main", [1, 500], LONG)
+            return info, held, report, results, records, updated, [r.version for r in remote]
+        finally:
+            await close(servers, remote)
+
+    info, held, report, results, records, updated, versions = asyncio.run(body())
+    assert info == [("e0", 4, 0, False), ("e1", 4, 0, False)]
+    assert held >= 1 and report.migrated == report.resubmits == held
+    assert sum(r.engines == ("e0", "e1") for r in results) == held
+    for result, (call,) in zip(results, records, strict=True):  # as if never interrupted
+        assert result.output_ids.tolist() == reference.token_ids
+        np.testing.assert_allclose(result.logprobs, reference.logprobs, atol=1e-4)
+        assert call.output_ids.tolist() == reference.token_ids and call.finish_reason == "length"
+        np.testing.assert_array_equal(call.logprobs, result.logprobs)
+    assert versions == [1, 1] and (updated.versions == 1).all()
+    assert updated.output_ids.tolist() == after_update.token_ids
+
+
+@pytest.mark.parametrize("failure", ["killed", "frozen"])
+def test_a_dead_or_frozen_server_is_retried_on_the_other(failure):
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gyrejax.serve.engine_server",
+            "--engine=scripted",
+            "--name=far",
+            "--port=0",
+            "--scripted_delay_s=60",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        banner = server.stdout.readline()
+        assert banner.startswith("serving engine far at "), banner
+        far_url = banner.split()[-1]
+
+        async def body():
+            servers, (near,) = await remote_fleet([ScriptedEngine("near", scripted_answer)])
+            far = await HttpEngine.connect(far_url, poll_interval_s=0.1, status_timeout_s=1.0)
+            proxy = Proxy([far, near], hang_timeout_s=1.0)
+            try:
+                call = asyncio.create_task(
+                    proxy.generate("x", "main", "main", PROMPT, SamplingParams(max_new_tokens=8))
+                )
+                while not (await far.status())["request_ids"]:
+                    await asyncio.sleep(0.02)
+                server.send_signal(signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
+                completion = await asyncio.wait_for(call, timeout=30)
+                again = await proxy.generate("y", "main", "main", PROMPT, LONG)
+                return completion, again, proxy.counters(), proxy.finish("x")
+            finally:
+                await close(servers, [far, near])
+
+        completion, again, counters, calls = asyncio.run(body())
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    answer = scripted_answer(PROMPT, None)
+    assert completion.output_ids.tolist() == answer and completion.engines == ("near",)
+    assert again.engines == ("near",) and counters.retries == 1
+    (call,) = calls  # the record is the whole call, from the survivor
+    assert call.output_ids.tolist() == answer and call.engines == ("near",)
+    assert call.prompt_ids.tolist() == PROMPT and len(call.logprobs) == len(answer)
+
+
+def test_malformed_engine_requests_are_refused_by_field_and_the_server_keeps_serving(tmp_path):
+    async def body():
+        engine = ScriptedEngine("e", scripted_answer, delay_s=0.2)
+        servers, (remote,) = await remote_fleet([engine])
+        url = servers[0].url
+        try:
+            bad = {
+                "submit": [
+                    (b"{oops", "body"),
+                    ({}, "request"),
+                    ({"request": {"prompt_ids": [1]}}, "request.request_id"),
+                    ({"request": {"request_id": "r", "prompt_ids": []}}, "request.prompt_ids"),
+                    (
+                        {"request": {"request_id": "r", "prompt_ids": [1, "a"]}},
+                        "request.prompt_ids[1]",
+                    ),
+                    (
+                        {
+                            "request": {
+                                "request_id": "r",
+                                "prompt_ids": [1],
+                                "sampling": {"top_p": 2},
+                            }
+                        },
+                        "request.sampling.top_p",
+                    ),
+                    (
+                        {
+                            "request": {
+                                "request_id": "r",
+                                "prompt_ids": [1],
+                                "sampling": {"max_new_tokens": 0},
+                            }
+                        },
+                        "request.sampling.max_new_tokens",
+                    ),
+                ],
+                "import": [
+                    (
+                        {
+                            "live": {
+                                "request": {"request_id": "r", "prompt_ids": [1]},
+                                "output_ids": [2, 3],
+                                "logprobs": [-1.0],
+                                "versions": [0, 0],
+                            }
+                        },
+                        "live.output_ids",
+                    ),
+                ],
+                "update_weights": [
+                    ({"path": str(tmp_path / "missing"), "version": 1}, "path"),
+                    ({"path": str(tmp_path), "version": -1}, "version"),
+                ],
+                "export": [({"request_id": "nobody"}, "request_id")],
+            }
+            answers = []
+            async with httpx.AsyncClient(base_url=f"{url}/v1/engine") as http:
+                for endpoint, cases in bad.items():
+                    for payload, field in cases:
+                        kwargs = (
+                            {"content": payload}
+                            if isinstance(payload, bytes)
+                            else {"json": payload}
+                        )
+                        answers.append((endpoint, field, await http.post(endpoint, **kwargs)))
+            with pytest.raises(KeyError):
+                await remote.export("nobody")
+            with pytest.raises(ValueError, match="path"):
+                await remote.update_weights(tmp_path / "missing", 1)
+            with pytest.raises(TypeError, match="path"):
+                await remote.update_weights({"w": np.zeros(3)}, 1)
+            await remote.update_weights(tmp_path, 3)  # a scripted engine only takes the version
+            proxy = Proxy([remote])
+            call = asyncio.create_task(proxy.generate("x", "main", "main", PROMPT))
+            while not remote.request_ids():
+                await asyncio.sleep(0.01)
+            with pytest.raises(RuntimeError, match="in flight"):
+                await remote.release_memory()
+            return answers, await call, remote.version
+        finally:
+            await close(servers, [remote])
+
+    answers, completion, version = asyncio.run(body())
+    for endpoint, field, answer in answers:
+        error = answer.json()["error"]
+        assert 400 <= answer.status_code < 500, (endpoint, field, answer.text)
+        assert error["param"] == field or error["message"].startswith(field), (
+            endpoint,
+            answer.text,
+        )
+    assert completion.output_ids.tolist() == scripted_answer(PROMPT, None)
+    assert version == 3 and (completion.versions == 3).all()
