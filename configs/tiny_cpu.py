@@ -1,25 +1,33 @@
-r"""Tiny model on 8 CPU-emulated devices in 4 cells: the embedded default.
+r"""Tiny model on 8 CPU-emulated devices in 4 cells: the embedded default, end to end.
 
 Command:
   python -m gyrejax.launch --config configs/tiny_cpu.py --workdir /tmp/gyrejax-tiny
+  (add --config.scheduler.policy=colocate|async|elastic to compare the policies)
 
-What it does (at this stage of the project): emulates 8 CPU devices, splits them into
-4 cells of 2 (a 2x1 fsdp x tensor mesh each; cell 0 is the core), builds a ~1M-parameter
-Qwen3-style model over the byte tokenizer (vocab 264) on the core cell, logs the layout,
-greedily decodes `generate.prompts`, then:
+What it does: emulates 8 CPU devices, splits them into 4 cells of 2 (a 2x1 fsdp x tensor
+mesh each; cell 0 is the core), builds a ~0.2M-parameter Qwen3-style model over the byte
+tokenizer (vocab 264) on the core cell, logs the layout, greedily decodes
+`generate.prompts`, then:
   1. warm start: records `warmup.demonstrations` demonstrations of mini_repo tasks through
      the harness and trains on them with SFT for `warmup.steps` steps on all 4 cells;
-  2. a rollout batch: JAX engines on all 4 cells behind the proxy; the harness runs
-     `rl.groups_per_step` groups of `rl.group_size` executions and stores them.
-Takes a few minutes on 2 cores; running it again resumes (finished stages are skipped).
+  2. RL for `train.steps` steps: JAX engines on the rollout cells behind the proxy, the
+     harness running groups of `rl.group_size` executions, PPO on tree-packed batches,
+     cells moved between rollout and training by `scheduler.policy` (elastic).
+     With `--config.train.steps=0`, one rollout batch instead (mean reward reported).
+Takes about 10 minutes on 2 cores (warm start about 6, RL about 4); running it again
+resumes (finished stages are skipped, RL continues from its last checkpoint).
 
-It prints (absl log lines) the cells, the parameter count, the SFT steps, and the rollout
-batch's mean reward; --workdir gets `layout.json`, `generations.jsonl`, `demonstrations/`,
-`warmup/` (checkpoints, metrics), `executions/` (the stored batch) and
-`rollout_summary.json`.
+It prints (absl log lines) the cells, the parameter count, the SFT steps, then a progress
+line every `scheduler.progress_every_s` seconds, one line per RL step (reward, loss,
+tokens, staleness, training cells, roles) and per transition (phases timed). --workdir
+gets `layout.json`, `generations.jsonl`, `demonstrations/`, `warmup/`, `executions/`,
+`metrics.jsonl`, `transitions.jsonl`, `dispatch.jsonl`, `checkpoints/`,
+`cell_roles.png`, `steps.png` and `run_summary.json` (first vs last reward, utilisation,
+transitions).
 
 Variants:
-  configs/tiny_cpu.py:smoke   two layers, few short turns, no warm start; for tests.
+  configs/tiny_cpu.py:smoke   one layer, few short turns, no warm start, 2 RL steps; for
+                              tests.
 """
 
 from ml_collections import config_dict
@@ -73,9 +81,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     # Training. With executions_dir set, launch trains on that execution store (SFT or
     # RL by rl.loss) on every cell, checkpointing into --workdir and resuming from it.
     c.train = config_dict.ConfigDict()
-    c.train.steps = 8
+    c.train.steps = 40  # RL steps after the warm start
     c.train.executions_dir = ""
-    c.train.learning_rate = 1e-4
+    c.train.learning_rate = 3e-4  # RL (the warm start has its own)
     c.train.row_length = 640
     c.train.rows_per_micro_step = 4
     c.train.max_grad_norm = 1.0
@@ -91,7 +99,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl.tis_cap = 2.0
     c.rl.kl_coef = 0.0
     c.rl.group_size = 4
-    c.rl.groups_per_step = 2
+    c.rl.groups_per_step = 4
     c.rl.j_max = 5
 
     # Harness and environment (mini_repo: write the files a short spec describes).
@@ -123,6 +131,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.scheduler.phi = 1
     c.scheduler.mu = 1
     c.scheduler.async_training_cells = 2
+    c.scheduler.max_staleness = 2  # phi + mu: every policy trains within the same bound
     c.scheduler.progress_every_s = 10.0
 
     # Checkpoints under --workdir.

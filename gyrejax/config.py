@@ -221,7 +221,7 @@ class RolloutConfig:
 class TrainConfig:
     """Trainer (consumed by gyrejax/train)."""
 
-    steps: int = 1
+    steps: int = 1  # RL (or store-training) steps; 0: after the warm start, one batch only
     executions_dir: str = ""  # if set, launch trains on this execution store (SFT or RL)
     learning_rate: float = 1e-5
     row_length: int = 2048  # tokens per packed row (>= rollout.max_seq_len).
@@ -231,7 +231,9 @@ class TrainConfig:
     sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
 
     def __post_init__(self):
-        _positive("train", self, "steps", "row_length", "rows_per_micro_step")
+        _positive("train", self, "row_length", "rows_per_micro_step")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            _fail("train.steps", self.steps, "expected an integer >= 0")
         _non_negative("train", self, "learning_rate", "max_grad_norm", "weight_decay")
         _check_rules("train", self.sharding_rules, MESH_AXES)
 
@@ -322,12 +324,17 @@ class SchedulerConfig:
     phi: int = 1  # extra bursts of dispatch depth (staleness bound).
     mu: int = 1  # training steps per weight publication.
     async_training_cells: int = 1  # the async policy's fixed number of training cells
+    # S: no group is trained more than S weight versions after the one it was sampled
+    # with (None: groups train in finish order, bounded only by the dispatch depth).
+    max_staleness: int | None = None
     progress_every_s: float = 10.0  # how often the runtime logs its progress line
 
     def __post_init__(self):
         _one_of("scheduler", self, "policy", POLICIES)
         _non_negative("scheduler", self, "phi")
         _positive("scheduler", self, "mu", "async_training_cells")
+        if self.max_staleness is not None:
+            _non_negative("scheduler", self, "max_staleness")
         if not self.progress_every_s > 0:
             _fail("scheduler.progress_every_s", self.progress_every_s, "expected > 0")
 

@@ -36,6 +36,8 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert summary["steps"] == 2 and summary["policy"] == policy
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2]
+    bound = config.scheduler.max_staleness  # the driver's gate holds under every policy
+    assert all(0 <= s["staleness_max"] <= bound for s in steps)
     kinds = [t["kind"] for t in read_jsonl(tmp_path / "transitions.jsonl")]
     assert "to_training" in kinds
     if policy == "colocate":  # all cells train, then all roll out again

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class Role(enum.Enum):
@@ -71,6 +71,7 @@ class View:
       steps_in_burst: training steps completed in the current burst.
       step_running: a training step is running.
       groups_remaining: groups the run may still dispatch (None: unlimited).
+      max_staleness: S, the driver's staleness gate (`step_groups`); None: no gate.
     """
 
     now: float
@@ -89,6 +90,7 @@ class View:
     steps_in_burst: int
     step_running: bool
     groups_remaining: int | None = None
+    max_staleness: int | None = None
 
     @property
     def outstanding(self) -> int:
@@ -144,12 +146,89 @@ def known_policies() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def _undispatched_depth(view: View) -> int:
-    """Groups the dispatch depth still allows: (phi + mu) B - (in flight + ready)."""
-    allowed = view.depth_groups - view.groups_in_flight - view.groups_ready
+def step_groups(
+    ready_versions: Sequence[int],
+    in_flight_versions: Sequence[int],
+    version: int,
+    groups_per_step: int,
+    max_staleness: int | None,
+) -> list[int] | None:
+    """Which ready groups the next training step takes (a driver rule).
+
+    Without a staleness gate: the B oldest-finished. With `max_staleness` S, a group
+    sampled with rollout version v must be trained by the step at trainer version v + S
+    (its deadline): the step takes the ready groups with the oldest versions (finish order
+    among equals), and waits (returns None) while that would leave some deadline unmet
+    that waiting for an older in-flight group could still meet: after this step at
+    version k, at most j * B of the other untrained groups may have deadlines <= k + j.
+
+    Args:
+      ready_versions: rollout version of each ready group, in finish order.
+      in_flight_versions: rollout version of each dispatched group not finished yet.
+      version: k, the trainer version the step starts from.
+      groups_per_step: B.
+      max_staleness: S, or None for no gate.
+
+    Returns:
+      Indices into `ready_versions` (B of them), or None when the step must wait.
+    """
+    b = groups_per_step
+    if len(ready_versions) < b:
+        return None
+    if max_staleness is None:
+        return list(range(b))
+    order = sorted(range(len(ready_versions)), key=lambda i: (ready_versions[i], i))
+    chosen = order[:b]
+    left = sorted([ready_versions[i] for i in order[b:]] + list(in_flight_versions))
+    feasible = all(
+        count <= (v + max_staleness - version) * b for count, v in enumerate(left, start=1)
+    )
+    newest_chosen = max(ready_versions[i] for i in chosen)
+    if not feasible and any(v < newest_chosen for v in in_flight_versions):
+        return None  # an older group is still running: wait for it rather than break S
+    return chosen
+
+
+def _gate_allowance(view: View) -> int | None:
+    """Groups the staleness gate still lets be untrained (None: no gate).
+
+    Every untrained group carries a rollout version <= the current one, v; with the gate it
+    must be trained at trainer version <= v + S. The steps left for that are S + 1 - (steps
+    since v was published) - (the running step, whose groups are taken), so only that many
+    steps' worth of groups may be untrained at once.
+    """
+    if view.max_staleness is None:
+        return None
+    steps_left = view.max_staleness + 1 - view.steps_in_burst - int(view.step_running)
+    return steps_left * view.groups_per_step - (view.groups_in_flight + view.groups_ready)
+
+
+def _undispatched_depth(view: View, lookahead: str = "phi") -> int:
+    """Groups that may be dispatched now.
+
+    lookahead "phi": the dispatch depth (phi + mu) B - (in flight + ready), and no more
+    than the staleness gate allows. "gate": with a staleness gate, only the gate limits
+    (phi is not used; without a gate it falls back to "phi").
+    """
+    untrained = view.groups_in_flight + view.groups_ready
+    gate = _gate_allowance(view)
+    if lookahead == "gate" and gate is not None:
+        allowed = gate
+    else:
+        allowed = view.depth_groups - untrained
+        if gate is not None:
+            allowed = min(allowed, gate)
     if view.groups_remaining is not None:
         allowed = min(allowed, view.groups_remaining)
     return max(0, allowed)
+
+
+_LOOKAHEADS = ("phi", "gate")
+
+
+def _check_option(policy: str, name: str, value, known: tuple) -> None:
+    if value not in known:
+        raise ValueError(f"{policy} policy: {name}={value!r}, expected one of {known}")
 
 
 def _trainable(cells: tuple[CellView, ...]) -> list[CellView]:
@@ -190,12 +269,20 @@ class Async:
 
     Rollout keeps (phi + mu) * B groups dispatched-or-waiting (bounded staleness);
     training consumes groups as they become ready.
+
+    Args:
+      training_cells: the size of the training prefix.
+      lookahead: "phi" (default) keeps the (phi + mu) * B dispatch depth; "gate" lets only
+        the staleness gate limit dispatch (as elastic's option of the same name), so that a
+        benchmark can tune async over it too.
     """
 
-    def __init__(self, training_cells: int = 1):
+    def __init__(self, training_cells: int = 1, lookahead: str = "phi"):
         if training_cells < 1:
             raise ValueError(f"async policy: training_cells={training_cells}, expected >= 1")
+        _check_option("async", "lookahead", lookahead, _LOOKAHEADS)
         self.training_cells = training_cells
+        self.lookahead = lookahead
 
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)
@@ -208,31 +295,66 @@ class Async:
         for c in trainable[: self.training_cells]:
             if c.role is not Role.TRAINING and not c.switching:
                 transitions.append((c.index, Role.TRAINING))
-        return Decision(tuple(transitions), dispatch=_undispatched_depth(view))
+        return Decision(tuple(transitions), dispatch=_undispatched_depth(view, self.lookahead))
 
 
 @register_policy("elastic")
 class Elastic:
-    """The waterlevel trigger (DESIGN.md, Cells and roles).
+    """The waterlevel trigger (DESIGN.md, Cells and roles), with three refinements.
 
     During a burst the outstanding work w(t) = d(t) - f(t) only falls. The next cell e in
     the order may leave rollout when w(t) <= C_R(t) - C_e: the rollout capacity left
     without it still covers every outstanding execution. At a burst boundary the next
-    burst is dispatched (up to the dispatch depth) and cells return to rollout in
-    reverse order until the rollout capacity covers the work; the core stays in
-    training only if the next step's data is ready.
+    burst is dispatched and cells return to rollout in reverse order until the rollout
+    capacity covers the work.
 
-    Args:
+    Options (defaults: the best measured in benchmarks/schedule_bench.py; the other values
+    give the plain waterlevel rule of DESIGN.md, for ablation):
       min_rollout_cells: cells that never leave rollout (besides a standalone pool).
+      lookahead: "gate" (default): with a staleness gate S, dispatch as far ahead as the
+        gate allows, so stragglers are carried over for as many steps as S permits and the
+        rollout cells never wait for the dispatch depth; "phi": keep the (phi + mu) B
+        depth as well. Without a gate both are "phi".
+      core_stays: whether the core cell stays in training at a burst boundary (where it
+        may stay only if the next step's data is ready). A step started at the boundary
+        holds every satellite queued to return until it ends (switches are serial and a
+        cell leaves training at a step boundary), so the new burst's executions wait.
+        "backlog" (default): the core stays if the satellites that return without it
+        cover the new burst's work, or if at least `backlog_steps` steps of data are
+        waiting (training is behind, and a trainer without the core would idle until
+        the waterlevel sends it back); "spare": only in the first case; "ready" (the
+        plain rule): whenever the next step's data is ready.
+      backlog_steps: see core_stays.
+      keep_cell: one cell stays in rollout without a standalone pool when phi > 0.
+        "dispatchable" (default): only while the run and the staleness gate still allow
+        dispatch before the next publication (when nothing more can be dispatched, the
+        cell only idles, and the last steps of a burst run on one cell fewer); "always":
+        whenever phi > 0.
     """
 
-    def __init__(self, min_rollout_cells: int = 0):
+    def __init__(
+        self,
+        min_rollout_cells: int = 0,
+        lookahead: str = "gate",
+        core_stays: str = "backlog",
+        keep_cell: str = "dispatchable",
+        backlog_steps: int = 2,
+    ):
+        _check_option("elastic", "lookahead", lookahead, _LOOKAHEADS)
+        _check_option("elastic", "core_stays", core_stays, ("backlog", "spare", "ready"))
+        if backlog_steps < 1:
+            raise ValueError(f"elastic policy: backlog_steps={backlog_steps}, expected >= 1")
+        _check_option("elastic", "keep_cell", keep_cell, ("dispatchable", "always"))
         self.min_rollout_cells = min_rollout_cells
+        self.lookahead = lookahead
+        self.core_stays = core_stays
+        self.keep_cell = keep_cell
+        self.backlog_steps = backlog_steps
         self._burst_seen = -1
 
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)
-        dispatch = _undispatched_depth(view)
+        dispatch = _undispatched_depth(view, self.lookahead)
         if any(c.switching for c in view.cells):  # serial switches: one at a time
             return Decision(dispatch=dispatch)
         if view.burst != self._burst_seen:  # a burst boundary: make room for its dispatch
@@ -240,9 +362,7 @@ class Elastic:
             return self._return_for_burst(view, trainable, dispatch)
         # Waterlevel: the next cell in order leaves rollout while the rest still covers w.
         rollout = [c for c in trainable if c.role is Role.ROLLOUT]
-        standalone = any(c.standalone for c in view.cells)
-        # Without a standalone pool, one cell keeps serving the lookahead (phi > 0).
-        keep = self.min_rollout_cells + (1 if view.lookahead_bursts and not standalone else 0)
+        keep = self.min_rollout_cells + int(self._keeps_a_cell(view))
         capacity = view.rollout_capacity
         outstanding = view.outstanding + dispatch * view.group_size
         if capacity == 0 and outstanding > 0:  # work but nobody to serve it: bring one back
@@ -252,18 +372,38 @@ class Elastic:
             return Decision(((rollout[0].index, Role.TRAINING),), dispatch=dispatch)
         return Decision(dispatch=dispatch)
 
+    def _keeps_a_cell(self, view: View) -> bool:
+        """Without a standalone pool, one cell keeps serving the lookahead (phi > 0)."""
+        if not view.lookahead_bursts or any(c.standalone for c in view.cells):
+            return False
+        if self.keep_cell == "always":
+            return True
+        if view.groups_remaining is not None and view.groups_remaining <= 0:
+            return False  # nothing left to dispatch in this run
+        gate = _gate_allowance(view)
+        if gate is None:
+            return True
+        # A finished step frees B groups of room but also one step of the gate: the room
+        # only grows at the next publication.
+        return gate > 0
+
     def _return_for_burst(self, view: View, trainable, dispatch: int) -> Decision:
         """Cells return in reverse order until rollout covers the new burst's work."""
         needed = view.outstanding + dispatch * view.group_size
         capacity = view.rollout_capacity
+        core = trainable[0]
         core_stays = view.groups_ready >= view.groups_per_step
+        if core_stays and self.core_stays != "ready":
+            others = sum(c.capacity for c in trainable[1:] if c.role is Role.TRAINING)
+            backlog = view.groups_ready >= self.backlog_steps * view.groups_per_step
+            core_stays = capacity + others >= needed or (self.core_stays == "backlog" and backlog)
         transitions = []
         for cell in reversed(trainable):
             if capacity >= needed:
                 break
             if cell.role is not Role.TRAINING:
                 continue
-            if cell.index == trainable[0].index and core_stays:
+            if cell.index == core.index and core_stays:
                 break
             transitions.append((cell.index, Role.ROLLOUT))
             capacity += cell.capacity

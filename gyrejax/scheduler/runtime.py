@@ -9,7 +9,10 @@ the runtime carries it out and applies the driver rules of policies.py:
     `rl.group_size` executions through the harness; each execution is stored as soon as
     it ends (`workdir/executions`); a group whose executions all ended is ready;
   * a training step starts when the core cell is TRAINING, no step runs and
-    `rl.groups_per_step` groups are ready (oldest first); it runs in a worker thread;
+    `rl.groups_per_step` groups are ready; with `scheduler.max_staleness` S it takes the
+    oldest rollout versions first and waits for a running older group rather than train
+    anything more than S versions stale (`policies.step_groups`); it runs in a worker
+    thread;
   * transitions run one at a time. rollout -> training: the proxy drains the cell's
     engine (in-flight requests migrate with their KV cache), its memory is freed, and the
     cell joins the trainer (mid-step if one runs). training -> rollout: at the step
@@ -48,7 +51,7 @@ from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.scheduler import plots
-from gyrejax.scheduler.policies import CellView, Role, View, make_policy
+from gyrejax.scheduler.policies import CellView, Role, View, make_policy, step_groups
 from gyrejax.train.checkpoint import TrainCheckpointer
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import Execution, ExecutionStore, process
@@ -205,6 +208,7 @@ class Runtime:
             steps_in_burst=self.steps_in_burst,
             step_running=self.step_task is not None,
             groups_remaining=max(0, total - dispatched_groups),
+            max_staleness=self.config.scheduler.max_staleness,
         )
 
     # --- rollout ---------------------------------------------------------------------------
@@ -260,10 +264,21 @@ class Runtime:
             self.step_task is not None
             or self.roles[core] is not Role.TRAINING
             or self.switching[core]
-            or len(self.ready) < self.config.rl.groups_per_step
         ):
             return
-        group_ids = [self.ready.popleft() for _ in range(self.config.rl.groups_per_step)]
+        ready = list(self.ready)
+        chosen = step_groups(
+            [self.groups[g].version for g in ready],
+            [g.version for g in self.groups.values() if not g.done],
+            self.trainer.version,
+            self.config.rl.groups_per_step,
+            self.config.scheduler.max_staleness,
+        )
+        if chosen is None:  # too few groups, or waiting for an older one (staleness)
+            return
+        group_ids = [ready[i] for i in chosen]
+        for g in group_ids:
+            self.ready.remove(g)
         self.step_task = self._spawn(self._train_step(group_ids))
 
     async def _train_step(self, group_ids: list[str]) -> None:
@@ -504,6 +519,10 @@ class Runtime:
             "wall_s": self._now(),
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+            # Step rewards are noisy (a few groups each): means over tenths of the run.
+            "reward_by_tenth": [
+                float(np.mean(part)) for part in np.array_split(rewards, 10) if len(part)
+            ],
             "utilisation": float(np.mean(self.busy_samples)) if self.busy_samples else None,
             "transitions": collections.Counter(t["kind"] for t in transitions),
         }
