@@ -129,9 +129,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.scheduler = config_dict.ConfigDict()
     c.scheduler.policy = "elastic"
     c.scheduler.phi = 1
-    c.scheduler.mu = 1
+    c.scheduler.mu = 2  # bursts of two steps: long enough for cells to leave and return
     c.scheduler.async_training_cells = 2
-    c.scheduler.max_staleness = 2  # phi + mu: every policy trains within the same bound
+    c.scheduler.max_staleness = 3  # phi + mu: every policy trains within the same bound
     c.scheduler.progress_every_s = 10.0
 
     # Checkpoints under --workdir.
@@ -152,6 +152,8 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
         c.rl.groups_per_step = 1
         c.rl.group_size = 2
         c.train.steps = 2
+        c.scheduler.mu = 1  # a burst per step: every policy switches within 2 steps
+        c.scheduler.max_staleness = 2
         c.checkpoint.every_steps = 1
         c.harness.max_turns = 2
         c.harness.max_new_tokens = 16

@@ -369,11 +369,11 @@ class Runtime:
             return
         self.switching[index] = True
         self.roles[index] = role  # the View shows the target role while switching
-        self._transitions.put_nowait((index, role))
+        self._transitions.put_nowait((index, role, self.burst))  # the burst that decided it
 
     async def _transition_worker(self) -> None:
         while True:
-            index, role = await self._transitions.get()
+            index, role, burst = await self._transitions.get()
             start = time.perf_counter()
             cell = self.cells[index]
             self.timeline.append((self._now(), index, "switching"))
@@ -384,7 +384,7 @@ class Runtime:
             self.switching[index] = False
             self.timeline.append((self._now(), index, role.value))
             phases["total_s"] = time.perf_counter() - start
-            self._log_transition(index, f"to_{role.value}", phases)
+            self._log_transition(index, f"to_{role.value}", phases, burst)
             self._notify()
 
     async def _to_training(self, cell: Cell) -> dict:
@@ -415,8 +415,11 @@ class Runtime:
         self.proxy.set_accepting(engine.name, True)
         return {"wait_boundary_s": t1 - t0, "weight_pull_s": t2 - t1}
 
-    def _log_transition(self, index: int | None, kind: str, phases: dict) -> None:
-        record = {"time_s": self._now(), "cell": index, "kind": kind, "burst": self.burst, **phases}
+    def _log_transition(
+        self, index: int | None, kind: str, phases: dict, burst: int | None = None
+    ) -> None:
+        burst = self.burst if burst is None else burst
+        record = {"time_s": self._now(), "cell": index, "kind": kind, "burst": burst, **phases}
         with open(self.workdir / "transitions.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         logging.info("transition %s cell %s: %s", kind, index, phases)
