@@ -2,6 +2,9 @@
 
 Only flags live here; `run(config, workdir)` does the work and is what tests call.
 Overrides: `--config.model.num_layers=4`; variants: `--config configs/tiny_cpu.py:smoke`.
+Multi-process: `--coordinator HOST:PORT --num_processes P --process_id I` (or a cluster
+JAX detects, e.g. SLURM) starts JAX's distributed runtime first; see `launch/local.sh`,
+`launch/slurm.sbatch` and `gyrejax.distributed`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for logs, checkpoints and outputs.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None, "Multi-process: HOST:PORT of process 0's coordinator service."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's rank.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -60,10 +68,27 @@ def main(argv: list[str]) -> None:
         sys.exit(f"gyrejax.launch: {e}")
     except OSError as e:  # ml_collections defers a missing config file to first access
         sys.exit(f"gyrejax.launch: cannot load --config: {_one_line(e)}")
-    if config.cells.num_cpu_devices:
+    if config.cells.num_cpu_devices:  # per process in a multi-process run
         jax.config.update("jax_num_cpu_devices", config.cells.num_cpu_devices)
+    from gyrejax import distributed
+
+    try:  # explicit flags, or a cluster JAX detects (SLURM, Open MPI, ...); else nothing
+        multi_process = distributed.initialize(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
+        )
+    except ValueError as e:
+        sys.exit(f"gyrejax.launch: {e}")
 
     from gyrejax.model.hf_io import CheckpointError
+
+    if multi_process and jax.process_count() > 1:  # process 0 decides, the others follow
+        from gyrejax.distributed.job import run_multiprocess
+
+        try:
+            run_multiprocess(config, _WORKDIR.value)
+        except (ConfigError, CheckpointError) as e:
+            sys.exit(f"gyrejax.launch: process {jax.process_index()}: {e}")
+        return
     from gyrejax.run import run
 
     try:

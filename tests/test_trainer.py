@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -107,6 +108,32 @@ def test_satellites_joining_mid_step_give_the_same_update():
     )
     assert_trees_close(params_np(elastic), params_np(alone))
     assert elastic.version == alone.version == 1
+
+
+def test_update_lands_on_the_core_when_satellites_claim_every_micro_step(monkeypatch):
+    """The core may claim nothing (its worker started last); its zeros still take part,
+    so the summed gradients are on the core's devices, next to the weights."""
+    batch = make_batch(2)
+    all_cells = cells()
+    alone = ElasticTrainer(init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN)
+    ref = alone.train_step(batch)
+    trainer = ElasticTrainer(init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN)
+    trainer.join(all_cells[1])
+    satellite_done = threading.Event()
+    work = ElasticTrainer._work
+
+    def core_claims_last(self, cell, run, result, joined_mid_step):
+        if cell.index == 0:
+            assert satellite_done.wait(120)
+        work(self, cell, run, result, joined_mid_step)
+        if cell.index != 0:
+            satellite_done.set()
+
+    monkeypatch.setattr(ElasticTrainer, "_work", core_claims_last)
+    report = trainer.train_step(batch)
+    assert report.micro_steps_per_cell == {0: 0, 1: batch.num_micro_steps}
+    np.testing.assert_allclose(report.metrics["loss"], ref.metrics["loss"], rtol=1e-5)
+    assert_trees_close(params_np(trainer), params_np(alone))
 
 
 def test_rejoining_never_recompiles_and_release_waits_for_the_boundary():

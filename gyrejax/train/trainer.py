@@ -118,9 +118,21 @@ class ElasticTrainer:
       core: cell 0, which keeps the authoritative weights and the optimizer state.
       rl: loss configuration.
       train: optimizer, row shape and sharding rules.
+      owns_core: False in a process that does not hold the core cell (multi-process
+        training, `gyrejax.distributed`): nothing is placed on the core and there is no
+        optimizer state; the process only compiles and runs its own satellites, with
+        the KL reference (if any) kept on the host.
     """
 
-    def __init__(self, model: Transformer, core: Cell, *, rl: RLConfig, train: TrainConfig):
+    def __init__(
+        self,
+        model: Transformer,
+        core: Cell,
+        *,
+        rl: RLConfig,
+        train: TrainConfig,
+        owns_core: bool = True,
+    ):
         self.rl = rl
         self.train_config = train
         self.rules = train.sharding_rules
@@ -130,8 +142,25 @@ class ElasticTrainer:
         self._specs = sharding.partition_specs(state, core.mesh, self.rules)
         params = nnx.to_pure_dict(state)
         self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self.params = jax.device_put(params, self.param_shardings(core))
         self.optimizer = make_optimizer(train)
+        self.reference = None
+        self.version = 0
+        self.step = 0
+        self.compile_count = 0
+        self.training: list[Cell] = [core]
+        self._compiled: dict[int, tuple[Callable, Callable]] = {}
+        self._compile_lock = threading.Lock()
+        self._reducers: dict[tuple[int, ...], CrossCellReducer] = {}
+        self._update = None
+        self._run: _StepRun | None = None
+        self._pending_release: dict[int, float] = {}  # cell -> time release was asked
+        self._state_lock = threading.Lock()
+        if not owns_core:
+            self.params = self.opt_state = None
+            if rl.kl_coef > 0:  # the initial weights, identical in every process
+                self.reference = jax.tree.map(np.asarray, params)
+            return
+        self.params = jax.device_put(params, self.param_shardings(core))
         # Moments shard like their parameters; counters are replicated on the core.
         abstract_opt = jax.eval_shape(self.optimizer.init, self._abstract)
         replicated = NamedSharding(core.mesh, jax.sharding.PartitionSpec())
@@ -145,20 +174,8 @@ class ElasticTrainer:
         self.opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings)(
             self.params
         )
-        self.reference = None
         if rl.kl_coef > 0:  # KL anchor: the initial weights, frozen.
             self.reference = jax.tree.map(jnp.copy, self.params)
-        self.version = 0
-        self.step = 0
-        self.compile_count = 0
-        self.training: list[Cell] = [core]
-        self._compiled: dict[int, tuple[Callable, Callable]] = {}
-        self._compile_lock = threading.Lock()
-        self._reducers: dict[tuple[int, ...], CrossCellReducer] = {}
-        self._update = None
-        self._run: _StepRun | None = None
-        self._pending_release: dict[int, float] = {}  # cell -> time release was asked
-        self._state_lock = threading.Lock()
 
     # --- layout -----------------------------------------------------------------------
 
@@ -349,7 +366,12 @@ class ElasticTrainer:
             if result.error is not None:
                 raise RuntimeError("a training cell failed") from result.error
 
-        took_part = [c for c in run.cells_in_order() if results[c.index].micro_steps > 0]
+        # The core always takes part (zeros if the satellites claimed every micro-step),
+        # so the reduced gradients land on the core, next to the weights they update.
+        core = self.core.index
+        took_part = [
+            c for c in run.cells_in_order() if c.index == core or results[c.index].micro_steps
+        ]
         # A set of cells seen for the first time compiles its reduction (not timed below).
         reducer = self._reducer_for(tuple(took_part)) if len(took_part) > 1 else None
         reduce_start = time.perf_counter()
@@ -441,6 +463,8 @@ class ElasticTrainer:
             result.micro_steps += 1
             if run.on_micro_step is not None:
                 run.on_micro_step(m, cell)
+        if acc is None and cell.index == self.core.index:
+            acc = zeros()  # the core's sum is the reduction's destination even when empty
         result.grads = acc
         if joined_mid_step:
             result.join = JoinReport(cell.index, pull_s, compile_s, first_s)

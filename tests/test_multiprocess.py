@@ -1,0 +1,223 @@
+"""Training across processes: 2 processes x 4 CPU-emulated devices on loopback (gloo)
+give the same gradients and weights as one process on the same data, while a satellite
+of the other process trains, leaves at a step boundary, and rejoins a running step."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from conftest import REPO_ROOT
+
+from gyrejax.cells import split_into_cells
+from gyrejax.config import CellsConfig, RLConfig
+from gyrejax.model.transformer import init_model
+from gyrejax.rl.objective import MICRO_STEP_FIELDS
+from gyrejax.train.trainer import _FIELD_DTYPES, ElasticTrainer
+
+# The model, the batches and the cells, shared by this test and its two processes.
+SETUP = """
+import dataclasses
+import numpy as np
+from gyrejax.config import ModelConfig, TrainConfig
+from gyrejax.trajectory import generate_executions, process
+
+VOCAB, ROW = 64, 128
+MODEL = ModelConfig(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8,
+)
+TRAIN = TrainConfig(row_length=ROW, rows_per_micro_step=1, learning_rate=1e-3)
+CELLS = dict(size=2, fsdp=2, tensor=1)
+# Training cells at the start of each step (core first): cell 2 of process 1 trains in
+# step 0, leaves, and rejoins step 1 while it runs (pulling the weights from an Orbax
+# snapshot); in step 2 all cells of both processes train.
+PLAN = [[0, 2], [0], [0, 1, 2, 3]]
+MID_STEP_JOIN = {1: 2}  # step -> the cell that joins it while it runs
+
+def make_batch(seed):
+    executions = generate_executions(
+        3, 3, seed=seed, turns=(4, 10), vocab_size=VOCAB, system_prompt_tokens=10,
+        task_tokens=(3, 6), tool_output_tokens=(2, 10), model_output_tokens=(2, 10),
+        summary_tokens=(2, 5), compaction_budget=80, retry_prob=0.2, max_call_tokens=ROW,
+    )
+    rng = np.random.default_rng(seed)
+    executions = [
+        dataclasses.replace(ex, calls=[
+            dataclasses.replace(
+                c,
+                logprobs=(np.log(1 / VOCAB) + rng.normal(0, 0.1, len(c.output_ids))).astype(
+                    np.float32),
+                versions=np.zeros(len(c.output_ids), np.int32),
+            ) for c in ex.calls])
+        for ex in executions
+    ]
+    return process(executions, row_length=ROW, j_max=None, rows_per_micro_step=1)
+"""
+shared: dict = {}
+exec(SETUP, shared)  # the same definitions as in the worker processes
+CELLS, MODEL, TRAIN = shared["CELLS"], shared["MODEL"], shared["TRAIN"]
+PLAN, MID_STEP_JOIN = shared["PLAN"], shared["MID_STEP_JOIN"]
+make_batch = shared["make_batch"]
+
+WORKER = (
+    SETUP
+    + """
+import json, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+from gyrejax.cells import split_into_cells
+from gyrejax.config import CellsConfig, RLConfig
+from gyrejax.distributed import Decisions, initialize
+from gyrejax.distributed.training import DistributedTrainer
+from gyrejax.model.transformer import init_model
+
+process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+assert initialize(f"127.0.0.1:{port}", 2, process_id, timeout_s=120)
+assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+cells = split_into_cells(CellsConfig(**CELLS))
+trainer = DistributedTrainer(
+    init_model(MODEL), cells, rl=RLConfig(), train=TRAIN, decisions=Decisions(timeout_s=300),
+    snapshot_dir=f"{out}/snapshots",
+)
+trainer.precompile()
+compiled = trainer.trainer.compile_count
+record = {"steps": []}
+if process_id == 0:
+    arrays = {}
+    for step, training in enumerate(PLAN):
+        for index in [i for i in trainer.training if i not in training]:
+            trainer.release(index)
+        for index in [i for i in training if i not in trainer.training]:
+            trainer.join(index)
+        claims = []
+
+        def on_micro_step(m, cell):  # leave the other process's satellites room to claim
+            claims.append(m)
+            if MID_STEP_JOIN.get(step) is not None and len(claims) == 1:
+                trainer.join(MID_STEP_JOIN[step])
+                deadline = time.time() + 60  # hold the core until the newcomer claims one
+                while trainer.decisions.claimed(f"step/{step + 1}/claimed") <= len(claims):
+                    assert time.time() < deadline, "the satellite never claimed"
+                    time.sleep(0.05)
+            time.sleep(0.1)
+
+        report = trainer.train_step(make_batch(step), on_micro_step=on_micro_step)
+        record["steps"].append({
+            "cells": list(report.cells), "micro_steps": report.micro_steps_per_cell,
+            "loss": report.metrics["loss"], "grad_norm": report.metrics["grad_norm"],
+            "version": report.version, "joins": [j.cell for j in report.joins],
+        })
+        flat = jax.tree_util.tree_flatten_with_path(trainer.trainer.params)[0]
+        arrays.update({f"params{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in flat})
+        grads = jax.tree_util.tree_flatten_with_path(trainer.last_grads)[0]
+        arrays.update({f"grads{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in grads})
+    trainer.stop()
+    np.savez(f"{out}/process0.npz", **arrays)
+else:
+    while (done := trainer.follow()) is not None:
+        record["steps"].append(done)
+record["compiles_after_precompile"] = trainer.trainer.compile_count - compiled
+with open(f"{out}/process{process_id}.json", "w") as f:
+    json.dump(record, f)
+jax.distributed.shutdown()
+"""
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_processes(out) -> None:
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(i), str(port), str(out)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-3000:]}"
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, name: str, rtol=1e-5):
+    scale = max(np.abs(want).max(), 1e-12)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+def plain_gradient_sum(trainer: ElasticTrainer, batch) -> dict[str, np.ndarray]:
+    """The reference: every micro-step on the core alone, one after another."""
+    micro_step, zeros, _ = trainer._compiled_for(trainer.core)
+    acc = zeros()
+    for m in range(batch.num_micro_steps):
+        rows = {
+            f: np.asarray(getattr(batch, f)[m : m + 1], _FIELD_DTYPES[f]) for f in MICRO_STEP_FIELDS
+        }
+        rows = jax.device_put(rows, trainer._row_sharding(trainer.core))
+        acc, _, _ = micro_step(trainer.params, None, acc, rows, np.int32(trainer.version))
+    return flat(acc)
+
+
+def test_two_processes_train_like_one(tmp_path):
+    run_two_processes(tmp_path)
+    got = np.load(tmp_path / "process0.npz")
+    leader = json.loads((tmp_path / "process0.json").read_text())
+    follower = json.loads((tmp_path / "process1.json").read_text())
+
+    # The reference: one process, the core cell alone (tests/test_trainer.py shows that
+    # satellites in one process change nothing), and for the gradients a plain loop.
+    cells = split_into_cells(CellsConfig(**CELLS))  # this process: the same 8 devices
+    single = ElasticTrainer(init_model(MODEL), cells[0], rl=RLConfig(), train=TRAIN)
+    for step, training in enumerate(PLAN):
+        batch = make_batch(step)
+        want_grads = plain_gradient_sum(single, batch)
+        report = single.train_step(batch)
+        took = leader["steps"][step]
+        # Every satellite took part, the one that joined mid-step too.
+        expected = training + ([MID_STEP_JOIN[step]] if step in MID_STEP_JOIN else [])
+        assert sorted(took["cells"]) == sorted(expected), took
+        assert sum(took["micro_steps"].values()) == batch.num_micro_steps
+        np.testing.assert_allclose(took["loss"], report.metrics["loss"], rtol=1e-5)
+        np.testing.assert_allclose(took["grad_norm"], report.metrics["grad_norm"], rtol=1e-5)
+        assert took["version"] == single.version == step + 1
+        for name, want in want_grads.items():
+            assert_close(got[f"grads{step}/{name}"], want, f"step {step} gradient {name}")
+        for name, want in flat(single.params).items():
+            assert_close(got[f"params{step}/{name}"], want, f"step {step} weights {name}")
+
+    # Process 1 took part in the steps that had its cells, pulling the weights by a
+    # collective at a step boundary and from a snapshot mid-step, and never recompiled
+    # a micro-step: only the broadcast and reduction of each new set of cells compile.
+    done = [(s["step"], s["weight_pull"], s["joined_mid_step"]) for s in follower["steps"]]
+    assert done == [
+        (1, "collective", False),
+        (2, None, False),  # step 2 starts without process 1's cells ...
+        (2, "snapshot", True),  # ... and cell 2 joins it while it runs
+        (3, "collective", False),
+    ]
+    assert leader["steps"][1]["joins"] == [2]
+    assert (tmp_path / "snapshots" / "version_1").is_dir()
+    # {0,2}: pull + reduce; {0,2} again after the mid-step join: cached; {0,1,2,3}: both.
+    assert follower["compiles_after_precompile"] == 4
