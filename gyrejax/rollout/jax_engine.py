@@ -196,7 +196,9 @@ class JaxEngine(Engine):
             weights = nnx.to_pure_dict(weights)
 
         def swap():
-            self._params = jax.device_put(weights, self._param_shardings)
+            # Wait for the copy: the caller may donate its buffers (a training update)
+            # as soon as this returns.
+            self._params = jax.block_until_ready(jax.device_put(weights, self._param_shardings))
             self._version = version
 
         await self._call(swap)

@@ -105,6 +105,7 @@ class Runtime:
         self.burst_base = (0, 0, 0)  # proxy counters (d, p, f) when the burst began
         self.rollout_version = 0
         self.step_task: asyncio.Future | None = None
+        self._weight_pulls = 0  # engines copying the trainer's weights right now
         self.timeline: list[tuple[float, int, str]] = []
         self.busy_samples: list[float] = []
         self._transitions: asyncio.Queue = asyncio.Queue()
@@ -262,6 +263,7 @@ class Runtime:
         core = self.cells[0].index
         if (
             self.step_task is not None
+            or self._weight_pulls  # an engine is copying the weights a step would donate
             or self.roles[core] is not Role.TRAINING
             or self.switching[core]
         ):
@@ -403,14 +405,19 @@ class Runtime:
         t0 = time.perf_counter()
         if not cell.is_core:
             self.trainer.release(cell)  # takes effect at the step boundary
-        while self.step_task is not None and (
-            cell.is_core or any(c.index == cell.index for c in self.trainer.training)
-        ):
+        # Wait for the step to end, update included: the update donates the weights'
+        # buffers, so they are copied only while no step runs (and none may start).
+        while self.step_task is not None:
             await asyncio.sleep(0.01)
         t1 = time.perf_counter()
         engine = self.engines[cell.index]
-        await engine.resume()
-        await engine.update_weights(self.trainer.params, self.trainer.version)
+        self._weight_pulls += 1
+        try:
+            await engine.resume()
+            await engine.update_weights(self.trainer.params, self.trainer.version)
+        finally:
+            self._weight_pulls -= 1
+            self._notify()
         t2 = time.perf_counter()
         self.proxy.set_accepting(engine.name, True)
         return {"wait_boundary_s": t1 - t0, "weight_pull_s": t2 - t1}
