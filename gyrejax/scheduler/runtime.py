@@ -16,8 +16,9 @@ the runtime carries it out and applies the driver rules of policies.py:
   * transitions run one at a time. rollout -> training: the proxy drains the cell's
     engine (in-flight requests migrate with their KV cache), its memory is freed, and the
     cell joins the trainer (mid-step if one runs). training -> rollout: at the step
-    boundary the cell leaves the trainer, its engine gets its memory back, pulls the
-    newest weights and accepts requests again. Every phase is timed and logged
+    boundary the cell leaves the trainer; once the step (and its update, which donates
+    the weights) has ended, its engine gets its memory back, pulls the newest weights
+    (no step starts during the copy) and accepts requests again. Every phase is timed and logged
     (`workdir/transitions.jsonl`);
   * after every `scheduler.mu` steps the weights are published to the rollout engines
     and a new burst begins.
