@@ -35,11 +35,11 @@ from aiohttp import web
 from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.types import EngineError, RequestMigrated
 from gyrejax.serve import wire
-from gyrejax.serve.http import HttpError, make_app, read_json, start_site
+from gyrejax.serve.http import HttpError, Site, read_json
 from gyrejax.serve.wire import ENGINE_PREFIX as PREFIX
 
 
-class EngineServer:
+class EngineServer(Site):
     """HTTP front of one engine (see module docstring for the endpoints).
 
     Args:
@@ -47,10 +47,8 @@ class EngineServer:
     """
 
     def __init__(self, engine: Engine):
+        super().__init__()
         self.engine = engine
-        self.url: str | None = None
-        self._runner: web.AppRunner | None = None
-        self.app = make_app()
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -64,18 +62,6 @@ class EngineServer:
                 web.post(f"{PREFIX}/resume", self._resume),
             ]
         )
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Starts serving on the running event loop; returns the base URL."""
-        self._runner, bound = await start_site(self.app, host, port)
-        self.url = f"http://{host}:{bound}"
-        return self.url
-
-    async def stop(self) -> None:
-        """Stops serving (long-polls in progress are cut; the engine keeps running)."""
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     # --- handlers -------------------------------------------------------------------------
 

@@ -79,3 +79,24 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # the port actually bound
     return runner, int(bound)
+
+
+class Site:
+    """An aiohttp app with start/stop on the running event loop (the servers' base)."""
+
+    def __init__(self):
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = make_app()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Starts serving; returns the base URL (port 0 picks a free port)."""
+        self._runner, bound = await start_site(self.app, host, port)
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        """Stops serving (long-polls in progress are cut)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -62,7 +62,7 @@ from gyrejax.serve.chat import (
     split_tool_calls,
 )
 from gyrejax.serve.generated import GeneratedTurns
-from gyrejax.serve.http import HttpError, make_app, read_json, start_site
+from gyrejax.serve.http import HttpError, Site, read_json
 from gyrejax.serve.wire import FieldError, as_float, as_int, get
 from gyrejax.trajectory import STATUSES, Execution, ExecutionStore, role_priority
 
@@ -84,7 +84,7 @@ class _Execution:
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
-class OpenAIServer:
+class OpenAIServer(Site):
     """Serves the OpenAI API in front of a proxy (see module docstring).
 
     Args:
@@ -106,16 +106,14 @@ class OpenAIServer:
         default_max_tokens: int = 256,
         finish_timeout_s: float = 30.0,
     ):
+        super().__init__()  # start() returns the base URL; <url>/v1 is the OpenAI base_url
         self.proxy = proxy
         self.template = template if template is not None else ByteChatTemplate()
         self.store = store
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.finish_timeout_s = finish_timeout_s
-        self.url: str | None = None
         self._executions: dict[str, _Execution] = {}
-        self._runner: web.AppRunner | None = None
-        self.app = make_app()
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -127,18 +125,6 @@ class OpenAIServer:
                 web.post("/v1/completions", self._completions),
             ]
         )
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Starts serving on the running event loop; returns the base URL (…/v1 is the
-        OpenAI `base_url`)."""
-        self._runner, bound = await start_site(self.app, host, port)
-        self.url = f"http://{host}:{bound}"
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     # --- executions -----------------------------------------------------------------------
 

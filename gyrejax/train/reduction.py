@@ -53,6 +53,40 @@ def _cells_mesh(cells: Sequence[Cell]) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(devices, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
+class _StackedLayout:
+    """Shardings of a pytree stacked over a "cell" axis of the given cells' joint mesh.
+
+    Attributes:
+      mesh: the (cell, *cell mesh axes) mesh.
+      stacked: per-leaf sharding of the [k, ...] stacked array (slice j on cell j).
+      replicated: per-leaf sharding replicated over "cell" (every cell holds a copy).
+      abstract: per-leaf ShapeDtypeStruct of the stacked array.
+    """
+
+    def __init__(self, cells: Sequence[Cell], specs, abstract):
+        self.mesh = _cells_mesh(cells)
+        is_spec = lambda x: isinstance(x, PartitionSpec)
+        self.stacked = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, PartitionSpec("cell", *s)), specs, is_leaf=is_spec
+        )
+        self.replicated = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec
+        )
+        self.per_cell = [
+            jax.tree.map(lambda s, c=c: NamedSharding(c.mesh, s), specs, is_leaf=is_spec)
+            for c in cells
+        ]
+        self.abstract = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct((len(cells), *a.shape), a.dtype, sharding=sh),
+            abstract,
+            self.stacked,
+        )
+
+    def compile(self, fn):
+        """`fn` (stacked pytree -> pytree) compiled with a replicated result."""
+        return jax.jit(fn, out_shardings=self.replicated).lower(self.abstract).compile()
+
+
 class CrossCellReducer:
     """Reduces gradient pytrees from a fixed, ordered set of cells onto the first one.
 
@@ -64,25 +98,11 @@ class CrossCellReducer:
 
     def __init__(self, cells: Sequence[Cell], specs, abstract):
         self.cells = tuple(cells)
-        self.mesh = _cells_mesh(self.cells)
-        is_spec = lambda x: isinstance(x, PartitionSpec)
-        self._stacked = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, PartitionSpec("cell", *s)), specs, is_leaf=is_spec
-        )
-        summed = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
-        self._core = jax.tree.map(
-            lambda s: NamedSharding(self.cells[0].mesh, s), specs, is_leaf=is_spec
-        )
-        stacked_abstract = jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct((len(self.cells), *a.shape), a.dtype, sharding=sh),
-            abstract,
-            self._stacked,
-        )
-        self._sum = (
-            jax.jit(lambda tree: jax.tree.map(lambda x: x.sum(axis=0), tree), out_shardings=summed)
-            .lower(stacked_abstract)
-            .compile()
-        )
+        layout = _StackedLayout(self.cells, specs, abstract)
+        self.mesh = layout.mesh
+        self._stacked = layout.stacked
+        self._core = layout.per_cell[0]
+        self._sum = layout.compile(lambda tree: jax.tree.map(lambda x: x.sum(axis=0), tree))
 
     def __call__(self, per_cell: Sequence) -> object:
         """Sum of the pytrees in `per_cell` (one per cell, in `cells` order), on the core.
@@ -124,27 +144,12 @@ class CrossCellBroadcast:
 
     def __init__(self, cells: Sequence[Cell], specs, abstract):
         self.cells = tuple(cells)
-        self.mesh = _cells_mesh(self.cells)
-        is_spec = lambda x: isinstance(x, PartitionSpec)
-        self._stacked = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, PartitionSpec("cell", *s)), specs, is_leaf=is_spec
-        )
-        replicated = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
-        self._per_cell = [
-            jax.tree.map(lambda s, c=c: NamedSharding(c.mesh, s), specs, is_leaf=is_spec)
-            for c in self.cells
-        ]
+        layout = _StackedLayout(self.cells, specs, abstract)
+        self.mesh = layout.mesh
+        self._stacked = layout.stacked
+        self._per_cell = layout.per_cell
         self._abstract = abstract
-        stacked_abstract = jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct((len(self.cells), *a.shape), a.dtype, sharding=sh),
-            abstract,
-            self._stacked,
-        )
-        self._select = (
-            jax.jit(lambda tree: jax.tree.map(lambda x: x[0], tree), out_shardings=replicated)
-            .lower(stacked_abstract)
-            .compile()
-        )
+        self._select = layout.compile(lambda tree: jax.tree.map(lambda x: x[0], tree))
         self._zeros: dict[int, object] = {}
 
     def _zeros_on(self, j: int):
