@@ -1,6 +1,9 @@
-"""Training across processes: 2 processes x 4 CPU-emulated devices on loopback (gloo)
-give the same gradients and weights as one process on the same data, while a satellite
-of the other process trains, leaves at a step boundary, and rejoins a running step."""
+"""Across processes: 2 processes x 4 CPU-emulated devices on loopback (gloo).
+
+Training gives the same gradients and weights as one process on the same data, while a
+satellite of the other process trains, leaves at a step boundary, and rejoins a running
+step. The RL loop runs through `launch/local.sh` with process 1's engine serving every
+model call over HTTP and its satellite training in every step."""
 
 import json
 import os
@@ -221,3 +224,63 @@ def test_two_processes_train_like_one(tmp_path):
     assert (tmp_path / "snapshots" / "version_1").is_dir()
     # {0,2}: pull + reduce; {0,2} again after the mid-step join: cached; {0,1,2,3}: both.
     assert follower["compiles_after_precompile"] == 4
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_rl_across_two_processes_through_launch(tmp_path):
+    """The whole RL loop with process 1's cells remote: process 0 runs the scheduler,
+    proxy, harness and core; process 1 serves its engines over HTTP and trains a
+    satellite. The async policy with 3 training cells makes the roles certain: cells 0, 1
+    (process 0) and 2 (process 1) train, cell 3 (process 1) serves every model call."""
+    workdir, logs = tmp_path / "run", tmp_path / "logs"
+    command = [
+        "bash", "launch/local.sh", "2", "--",
+        sys.executable, "-m", "gyrejax.launch", "--config", "configs/tiny_cpu.py:smoke",
+        "--workdir", str(workdir), "--config.cells.num_cpu_devices=4",
+        "--config.scheduler.policy=async", "--config.scheduler.async_training_cells=3",
+        "--config.train.steps=3", "--config.scheduler.max_staleness=1",
+        "--config.train.rows_per_micro_step=1",
+    ]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu", LOG_DIR=str(logs))
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400
+    )
+    follower_log = (logs / "gyrejax_process_1.log").read_text()
+    assert done.returncode == 0, done.stdout[-3000:] + "\nprocess 1:\n" + follower_log[-3000:]
+
+    layout = json.loads((workdir / "layout.json").read_text())
+    assert [c["process"] for c in layout["cells"]] == [0, 0, 1, 1]
+    steps = read_jsonl(workdir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # Process 1's satellite (cell 2) is in every step: it pulls the weights each step.
+    for s in steps:
+        assert 2 in [j["cell"] for j in s["joins"]], s
+        assert s["staleness_max"] <= 1 and s["roles"] == "TTTR"
+    # Groups dispatched at the start may begin on any cell and migrate (re-submitted
+    # across processes) when cells 0-2 leave for training; every group dispatched after
+    # the first publication ran on the remote engine alone, over HTTP.
+    from gyrejax.trajectory import ExecutionStore
+
+    executions = list(ExecutionStore(workdir / "executions"))
+    calls = [c for e in executions for c in e.calls]
+    later = {d["group"] for d in read_jsonl(workdir / "dispatch.jsonl") if d["version"] >= 1}
+    assert later and len({e.group_id for e in executions}) >= 3
+    for e in executions:
+        if e.group_id in later:
+            assert all(c.engines == ("cell3",) for c in e.calls), e.execution_id
+    for c in calls:  # recorded in full, wherever they ran
+        assert len(c.output_ids) == len(c.logprobs) == len(c.versions) > 0
+        assert np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 0)
+    # Step 3 may train nothing older than version 1 (staleness 1), so the remote engine
+    # sampled with weights published to it (an HF export it reloaded by path).
+    versions = {int(v) for c in calls for v in c.versions}
+    assert max(versions) >= 1 and versions <= {0, 1, 2, 3}
+    assert any((workdir / "published").glob("version_*/config.json"))
+    publishes = [t for t in read_jsonl(workdir / "transitions.jsonl") if t["kind"] == "publish"]
+    assert len(publishes) == 3 and all(p["engines"] == 1 for p in publishes)
+    assert "cell 3: serving engine cell3" in follower_log
+    summary = json.loads((workdir / "run_summary.json").read_text())
+    assert summary["steps"] == 3

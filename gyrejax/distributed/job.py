@@ -1,74 +1,46 @@
 """`run_multiprocess(config, workdir)`: what `gyrejax.launch` runs in a multi-process job.
 
 Every process splits all devices into the same cells and holds those of its local
-devices. Supported today: training on a stored set of executions
-(`config.train.executions_dir`), with every cell of every process training. Process 0
-reads the store, makes each step's packed batch (`gyrejax.train.loop.batch_at`, the
-single-process recipe), drives `DistributedTrainer` and writes `metrics.jsonl`,
-`layout.json`, checkpoints (`checkpoints/`, resumed from when the command runs again)
-and a weights-only snapshot at the end (`weights/`); the others follow.
-The multi-process RL runtime (scheduler, proxy and harness on process 0, engines on
-every process's cells) is not built yet.
+devices; process 0 writes `layout.json` (which process holds which cell). Then either:
+
+  * with `config.train.executions_dir`, training on that stored set with every cell of
+    every process training: process 0 reads the store, makes each step's packed batch
+    (`gyrejax.train.loop.batch_at`, the single-process recipe), drives
+    `DistributedTrainer` and writes `metrics.jsonl`, checkpoints (`checkpoints/`, resumed
+    from when the command runs again) and a weights-only snapshot at the end
+    (`weights/`); the others follow;
+  * otherwise RL (`gyrejax.distributed.rl`): the warm start, if configured, on process
+    0's cells; then process 0 runs the RL runtime over every process's cells while the
+    others serve their cells' engines over HTTP and train them when told to. The
+    outputs are those of a single-process run, in process 0's workdir.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 from absl import logging
 
 from gyrejax.cells import split_into_cells
-from gyrejax.config import CheckpointConfig, Config, ConfigError
+from gyrejax.config import Config, ConfigError
+from gyrejax.distributed import rl
 from gyrejax.distributed.runtime import Decisions, local_cells, owner
-from gyrejax.distributed.training import DistributedTrainer, save_snapshot
-from gyrejax.train.checkpoint import TrainCheckpointer
-
-
-class ProcessZeroCheckpointer(TrainCheckpointer):
-    """`TrainCheckpointer` written and read by process 0 alone.
-
-    Orbax normally has every process write its shards of global arrays; here the core's
-    arrays live in process 0 only, so they are saved from host memory with Orbax's
-    multi-process coordination limited to process 0, and restored onto the core's
-    shardings as usual (`ElasticTrainer.restore`).
-    """
-
-    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig):
-        self.directory = Path(directory).absolute()
-        self.config = config
-        # Orbax cannot create the directory when only some processes take part.
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=config.keep,
-                create=False,
-                enable_async_checkpointing=False,
-                multiprocessing_options=ocp.options.MultiprocessingOptions(
-                    primary_host=0, active_processes={0}, barrier_sync_key_prefix="gyrejax_ckpt"
-                ),
-            ),
-        )
-
-    def save(self, step: int, params, opt_state, metadata: dict) -> None:
-        super().save(step, jax.device_get(params), jax.device_get(opt_state), metadata)
+from gyrejax.distributed.training import DistributedTrainer
+from gyrejax.model.transformer import Transformer
+from gyrejax.train.checkpoint import TrainCheckpointer, save_weights
 
 
 def run_multiprocess(config: Config, workdir: str | Path) -> dict:
     """Runs this process's part of a multi-process job; returns a summary (process 0's
-    has the last step's metrics)."""
-    if not config.train.executions_dir:
+    has the run's summary, the others what they did)."""
+    if not config.train.executions_dir and not config.train.steps:
         raise ConfigError(
-            "multi-process runs train on a store only for now: set "
-            "config.train.executions_dir (the multi-process RL runtime is not built yet)"
+            "config.train.steps=0: a multi-process job trains (RL with train.steps > 0, or "
+            "a stored set with train.executions_dir); run a single rollout batch in one process"
         )
     from gyrejax.run import build_model  # the single-process model recipe
-    from gyrejax.train.loop import _metrics_record, batch_at
-    from gyrejax.trajectory import ExecutionStore
 
     workdir = Path(workdir)
     process, processes = jax.process_index(), jax.process_count()
@@ -81,8 +53,58 @@ def run_multiprocess(config: Config, workdir: str | Path) -> dict:
     logging.info(
         "process %d of %d: cells %s of %d", process, processes, [c.index for c in mine], len(cells)
     )
+    if process == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        layout = {
+            "num_processes": processes,
+            "cells": [
+                {"index": c.index, "process": owner(c), "devices": [d.id for d in c.devices]}
+                for c in cells
+            ],
+        }
+        (workdir / "layout.json").write_text(json.dumps(layout, indent=2))
     # Built on a cell of this process; identical in every process (same seed or checkpoint).
     model = build_model(config, mine[0])
+    if config.train.executions_dir:
+        return _train_on_store(config, workdir, cells, model)
+    return _reinforce(config, workdir, cells, mine, model)
+
+
+def _reinforce(config: Config, workdir: Path, cells: list, mine: list, model: Transformer) -> dict:
+    """RL across processes (see `gyrejax.distributed.rl`)."""
+    start = Decisions("gyrejax/start", timeout_s=rl.FOLLOWER_TIMEOUT_S)
+    leader = jax.process_index() == 0
+    if leader and config.warmup.steps:
+        from gyrejax.stages import warm_start
+
+        model = warm_start(config, mine, model, workdir)  # on process 0's cells
+        rl.share_start_weights(model, workdir, start)
+    elif leader:
+        rl.announce_no_start_weights(start)
+    else:
+        model = rl.receive_start_weights(model, start)
+    trainer = DistributedTrainer(
+        model,
+        cells,
+        rl=config.rl,
+        train=config.train,
+        decisions=Decisions(timeout_s=rl.FOLLOWER_TIMEOUT_S),
+        snapshot_dir=workdir / "snapshots",
+    )
+    if not leader:
+        trainer.precompile()  # idle until process 0 needs the engines anyway
+        return rl.serve_and_follow(config, cells, model, trainer)
+    try:
+        return rl.DistributedRuntime(config, cells, trainer, workdir).run()
+    finally:  # followers stop serving and return even if this process fails
+        trainer.stop()
+
+
+def _train_on_store(config: Config, workdir: Path, cells: list, model: Transformer) -> dict:
+    """Training on `config.train.executions_dir` with every cell of every process."""
+    from gyrejax.train.loop import _metrics_record, batch_at
+    from gyrejax.trajectory import ExecutionStore
+
     trainer = DistributedTrainer(
         model,
         cells,
@@ -92,21 +114,12 @@ def run_multiprocess(config: Config, workdir: str | Path) -> dict:
         snapshot_dir=workdir / "snapshots",
     )
     trainer.precompile()
-    if process != 0:
+    if jax.process_index() != 0:
         steps = 0
         while trainer.follow() is not None:
             steps += 1
-        return {"process": process, "steps_followed": steps}
+        return {"process": jax.process_index(), "steps_followed": steps}
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    layout = {
-        "num_processes": processes,
-        "cells": [
-            {"index": c.index, "process": owner(c), "devices": [d.id for d in c.devices]}
-            for c in cells
-        ],
-    }
-    (workdir / "layout.json").write_text(json.dumps(layout, indent=2))
     store = ExecutionStore(config.train.executions_dir)
     group_ids = store.group_ids()
     last: dict = {}
@@ -117,7 +130,7 @@ def run_multiprocess(config: Config, workdir: str | Path) -> dict:
             )
         for cell in cells[1:]:
             trainer.join(cell.index)
-        checkpointer = ProcessZeroCheckpointer(workdir / "checkpoints", config.checkpoint)
+        checkpointer = TrainCheckpointer(workdir / "checkpoints", config.checkpoint)
         position = 0
         if checkpointer.latest_step() is not None:
             meta = trainer.trainer.restore(checkpointer)
@@ -149,7 +162,7 @@ def run_multiprocess(config: Config, workdir: str | Path) -> dict:
         if trainer.trainer.step != checkpointer.latest_step():
             trainer.trainer.save(checkpointer, {"data_position": position})
         checkpointer.close()
-        save_snapshot(workdir / "weights", trainer.trainer.params)
+        save_weights(workdir / "weights", trainer.trainer.params)
     finally:  # followers return from `follow` even if this process fails
         trainer.stop()
     return {"process": 0, "step": trainer.trainer.step, "last": last}

@@ -36,6 +36,7 @@ KL reference, if any, is the initial weights, kept on each process's host.
 from __future__ import annotations
 
 import io
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +44,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import logging
 
 from gyrejax.cells import Cell
@@ -51,6 +51,7 @@ from gyrejax.config import RLConfig, TrainConfig
 from gyrejax.distributed.runtime import Decisions, owner
 from gyrejax.model.transformer import Transformer
 from gyrejax.rl.objective import MICRO_STEP_FIELDS
+from gyrejax.train.checkpoint import restore_weights, save_weights
 from gyrejax.train.reduction import CrossCellBroadcast
 from gyrejax.train.trainer import (
     _FIELD_DTYPES,
@@ -78,34 +79,6 @@ def _unpack_rows(data: bytes) -> dict[str, np.ndarray]:
 
 
 WEIGHT_PULLS = ("collective", "snapshot")
-
-
-def _single_process_checkpointer() -> ocp.StandardCheckpointer:
-    """Orbax normally synchronises every process; a snapshot is written by process 0
-    alone and read by each follower alone."""
-    process = jax.process_index()
-    options = ocp.options.MultiprocessingOptions(
-        primary_host=process,
-        active_processes={process},
-        barrier_sync_key_prefix=f"gyrejax_snapshot_{process}",
-    )
-    return ocp.StandardCheckpointer(multiprocessing_options=options)
-
-
-def save_snapshot(directory: str | Path, params) -> Path:
-    """Process 0: writes the core's weights as a weights-only snapshot (from host memory:
-    Orbax serialises only global arrays in a multi-process job)."""
-    path = Path(directory).absolute()
-    checkpointer = _single_process_checkpointer()
-    checkpointer.save(path, jax.device_get(params), force=True)
-    checkpointer.wait_until_finished()
-    return path
-
-
-def restore_snapshot(directory: str | Path, target):
-    """Any process: restores a snapshot laid out like `target` (ShapeDtypeStructs with
-    this process's shardings)."""
-    return _single_process_checkpointer().restore(Path(directory).absolute(), target)
 
 
 class DistributedTrainer:
@@ -162,6 +135,7 @@ class DistributedTrainer:
         self._broadcasts: dict[tuple[int, ...], CrossCellBroadcast] = {}
         self._running: dict | None = None  # process 0, during a step: who works on it
         self.last_grads = None  # process 0: the reduced gradient sum of the last step
+        self._stopped = False
 
     # --- process 0: decisions -----------------------------------------------------------
 
@@ -192,9 +166,7 @@ class DistributedTrainer:
             if process in busy or self.snapshot_dir is None or run["done"]:
                 logging.info("cell %d joins at the next step boundary", index)
                 return
-            snapshot = self.snapshot_dir / f"version_{self.trainer.version}"
-            if not snapshot.is_dir():  # once per version
-                save_snapshot(snapshot, self.trainer.params)
+            snapshot = self._snapshot()
             self.decisions.publish(
                 "join",
                 step=run["step"],
@@ -214,10 +186,27 @@ class DistributedTrainer:
             raise ValueError(f"cell {index} is not training")
         self.training.remove(index)
 
+    def _snapshot(self) -> Path:
+        """Process 0: the weights-only snapshot of the current version, written once.
+
+        Older versions' snapshots are deleted: a snapshot is read only during steps on
+        its version, and every such step has ended (its reduction waited for every
+        process) before the version goes up.
+        """
+        path = self.snapshot_dir / f"version_{self.trainer.version}"
+        if not path.is_dir():
+            save_weights(path, self.trainer.params)
+        for old in self.snapshot_dir.glob("version_*"):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
     def stop(self) -> None:
-        """Tells every follower to return from `follow`."""
+        """Tells every follower to return from `follow` (once; later calls do nothing)."""
         self._require_leader("stop")
-        self.decisions.publish("stop")
+        if not self._stopped:  # once, however many cleanups call it
+            self.decisions.publish("stop")
+            self._stopped = True
 
     def precompile(self) -> float:
         """Compiles the micro-step of every cell this process holds; returns seconds."""
@@ -249,9 +238,7 @@ class DistributedTrainer:
         cells = list(self.training)
         snapshot = None
         if weight_pull == "snapshot" and any(self._owners[i] != 0 for i in cells):
-            snapshot = str(self.snapshot_dir / f"version_{self.trainer.version}")
-            if not Path(snapshot).is_dir():  # once per version
-                save_snapshot(snapshot, self.trainer.params)
+            snapshot = str(self._snapshot())
         # Every follower has read the previous step's keys (its reduction needed them).
         self.decisions.delete(f"step/{step - 1}")
         self.decisions.put_bytes(f"step/{step}/rows", _pack_rows(batch))
@@ -407,7 +394,7 @@ class DistributedTrainer:
                     self.trainer._abstract,
                     shardings,
                 )
-                params = restore_snapshot(snapshot, target)
+                params = restore_weights(snapshot, target)
             pulled[index] = (jax.block_until_ready(params), time.perf_counter() - start)
         return pulled
 

@@ -49,6 +49,7 @@ from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.tasks import draw_tasks
 from gyrejax.model.transformer import Transformer
+from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.scheduler import plots
@@ -87,7 +88,7 @@ class Runtime:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = get_environment(config.harness.environment)
-        self.trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
+        self.trainer = self._make_trainer(model)
         self.checkpointer = TrainCheckpointer(self.workdir / "checkpoints", config.checkpoint)
         self.store = ExecutionStore(self.workdir / "executions")
         policy_kwargs = {}
@@ -96,7 +97,7 @@ class Runtime:
         self.policy = make_policy(config.scheduler.policy, **policy_kwargs)
         self.roles = [Role.ROLLOUT] * len(cells)
         self.switching = [False] * len(cells)
-        self.engines: dict[int, JaxEngine] = {}
+        self.engines: dict[int, Engine] = {}
         self.groups: dict[str, _Group] = {}
         self.ready: collections.deque[str] = collections.deque()
         self.trained_groups: list[str] = []
@@ -124,8 +125,7 @@ class Runtime:
         self._changed = asyncio.Event()
         self._start = time.monotonic()
         self._restore()
-        for cell in self.cells:
-            self.engines[cell.index] = self._new_engine(cell)
+        await self._start_engines()
         self.proxy = Proxy(self.engines.values())
         self.harness = Harness(
             self.proxy,
@@ -212,6 +212,23 @@ class Runtime:
             groups_remaining=max(0, total - dispatched_groups),
             max_staleness=self.config.scheduler.max_staleness,
         )
+
+    # --- hooks (gyrejax.distributed.rl overrides them for a multi-process run) ---------------
+
+    def _make_trainer(self, model: Transformer) -> ElasticTrainer:
+        return ElasticTrainer(model, self.cells[0], rl=self.config.rl, train=self.config.train)
+
+    async def _start_engines(self) -> None:
+        for cell in self.cells:
+            self.engines[cell.index] = self._new_engine(cell)
+
+    async def _weights_for(self, engine: Engine):
+        """What `engine.update_weights` gets for the trainer's current weights (called
+        only while no step runs: a step's update donates the weights' buffers)."""
+        return self.trainer.params
+
+    def _training_cells(self) -> set[int]:
+        return {c.index for c in self.trainer.training}
 
     # --- rollout ---------------------------------------------------------------------------
 
@@ -322,7 +339,8 @@ class Runtime:
             e for i, e in self.engines.items()
             if self.roles[i] is Role.ROLLOUT and not self.switching[i]
         ]  # fmt: skip
-        await asyncio.gather(*(e.update_weights(self.trainer.params, version) for e in live))
+        updates = [e.update_weights(await self._weights_for(e), version) for e in live]
+        await asyncio.gather(*updates)
         self.rollout_version = version
         self.burst += 1
         self.steps_in_burst = 0
@@ -415,7 +433,7 @@ class Runtime:
         self._weight_pulls += 1
         try:
             await engine.resume()
-            await engine.update_weights(self.trainer.params, self.trainer.version)
+            await engine.update_weights(await self._weights_for(engine), self.trainer.version)
         finally:
             self._weight_pulls -= 1
             self._notify()
@@ -440,7 +458,7 @@ class Runtime:
         while True:
             await asyncio.sleep(0.25)
             in_flight = self.proxy.counters().in_flight
-            training = {c.index for c in self.trainer.training}
+            training = self._training_cells()
             busy = []
             for cell in self.cells:
                 if self.switching[cell.index]:

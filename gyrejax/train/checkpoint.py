@@ -12,6 +12,12 @@ onto another (2 -> 4 -> 1 devices per cell) with identical values.
 A weights-only snapshot (`save_weights` / `restore_weights`) is what a satellite in
 another process restores with its own sharding (DESIGN.md: "restoring sharded params
 from the core cell via Orbax").
+
+In a multi-process job (`gyrejax.distributed`) the arrays saved here live in one process
+(the core's, or a follower's own cell), not across processes: Orbax would otherwise have
+every process take part in every save. So each save and restore involves the calling
+process alone (`_this_process_only`), and saves go through host memory (Orbax
+serialises only fully addressable global arrays in a multi-process job).
 """
 
 from __future__ import annotations
@@ -33,6 +39,26 @@ def abstract_like(tree, shardings) -> Any:
     )
 
 
+def _this_process_only(kind: str) -> dict:
+    """Orbax options that keep a save or restore within the calling process (empty in a
+    single-process job, where Orbax's defaults already do); `kind` keeps the barrier
+    keys of checkpoints and snapshots apart."""
+    if jax.process_count() == 1:
+        return {}
+    process = jax.process_index()
+    options = ocp.options.MultiprocessingOptions(
+        primary_host=process,
+        active_processes={process},
+        barrier_sync_key_prefix=f"gyrejax_{kind}_{process}",
+    )
+    return {"multiprocessing_options": options}
+
+
+def _savable(tree):
+    """Host copies in a multi-process job (see the module docstring); else the arrays."""
+    return jax.device_get(tree) if jax.process_count() > 1 else tree
+
+
 class TrainCheckpointer:
     """Saves and restores (params, optimizer state, metadata) under `directory`.
 
@@ -43,10 +69,15 @@ class TrainCheckpointer:
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig):
         self.directory = Path(directory).absolute()
         self.config = config
+        # Orbax cannot create the directory when only some processes take part.
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=config.keep, create=True, enable_async_checkpointing=False
+                max_to_keep=config.keep,
+                create=False,
+                enable_async_checkpointing=False,
+                **_this_process_only("checkpoint"),
             ),
         )
 
@@ -61,8 +92,8 @@ class TrainCheckpointer:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
+                params=ocp.args.StandardSave(_savable(params)),
+                opt_state=ocp.args.StandardSave(_savable(opt_state)),
                 metadata=ocp.args.JsonSave(metadata),
             ),
             force=True,
@@ -99,12 +130,13 @@ class TrainCheckpointer:
 def save_weights(directory: str | os.PathLike, params) -> Path:
     """Writes a weights-only snapshot (atomically, via a temporary directory)."""
     path = Path(directory).absolute()
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, params, force=True)
+    checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
+    checkpointer.save(path, _savable(params), force=True)
     checkpointer.wait_until_finished()
     return path
 
 
 def restore_weights(directory: str | os.PathLike, target):
     """Restores a weights-only snapshot laid out like `target` (any mesh or cell size)."""
-    return ocp.StandardCheckpointer().restore(Path(directory).absolute(), target)
+    checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
+    return checkpointer.restore(Path(directory).absolute(), target)

@@ -1,0 +1,239 @@
+"""The RL loop across processes.
+
+Process 0 runs the `Runtime` (scheduling policy, harness, proxy, trajectory processing,
+and the core cell with the optimizer state) over the cells of every process. Every other
+process serves a `JaxEngine` per cell it holds over HTTP (`EngineServer`) and keeps a
+satellite of `DistributedTrainer` on each, following process 0's decisions:
+
+  * rollout role: process 0's proxy reaches the engine by URL (`HttpEngine`), so a
+    remote cell takes part in routing, draining (export + re-submit across hosts),
+    failure retry and the records exactly like a local one;
+  * rollout -> training: process 0 drains the remote engine, frees its memory over HTTP
+    and joins the cell to the trainer; the follower's satellite pulls the core's weights
+    (a collective at a step boundary, the Orbax snapshot when it joins a running step)
+    and claims micro-steps from the shared queue;
+  * training -> rollout, and each burst's publication: process 0 exports the weights
+    once per version as an HF checkpoint (`workdir/published/version_<v>`) and remote
+    engines reload it by path (the path a vLLM engine takes too), so `workdir` must be
+    on storage that every host reads (it holds the snapshots for the same reason).
+
+Start: every process builds the same initial model (the seed, or `model.hf_checkpoint`).
+With a warm start, process 0 runs it on its own cells while the others wait, then hands
+them the weights as an Orbax snapshot (`workdir/snapshots/start`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+from pathlib import Path
+
+import jax
+from absl import logging
+from flax import nnx
+
+from gyrejax.cells import Cell
+from gyrejax.config import Config
+from gyrejax.distributed.runtime import Decisions, owner
+from gyrejax.distributed.training import DistributedTrainer
+from gyrejax.model.hf_io import export_hf
+from gyrejax.model.transformer import Transformer
+from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.scheduler.runtime import Runtime
+from gyrejax.serve.engine_server import EngineServer
+from gyrejax.serve.http_engine import HttpEngine
+from gyrejax.train.checkpoint import abstract_like, restore_weights, save_weights
+
+# Followers may wait this long for process 0 (a warm start, hours of rollout between
+# two steps); if process 0 dies, the coordinator goes with it and the wait fails at once.
+FOLLOWER_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def engine_key(index: int) -> str:
+    """Where a follower posts the URL of cell `index`'s engine."""
+    return f"engine/{index}"
+
+
+def advertised_host() -> str:
+    """The address other hosts reach this one at: the interface that routes to the
+    coordinator (127.0.0.1 for a job on loopback)."""
+    from jax._src.distributed import global_state  # the public API does not expose it
+
+    host = global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: no packet is sent, only the route is chosen
+        return probe.getsockname()[0]
+
+
+# --- the start weights ------------------------------------------------------------------
+
+
+def share_start_weights(model: Transformer, workdir: Path, start: Decisions) -> None:
+    """Process 0: makes `model` (after the warm start) the starting point of every process."""
+    path = save_weights(workdir / "snapshots" / "start", nnx.to_pure_dict(nnx.state(model)))
+    start.put_json("weights", str(path))
+
+
+def announce_no_start_weights(start: Decisions) -> None:
+    """Process 0: every process starts from the model it built itself."""
+    start.put_json("weights", None)
+
+
+def receive_start_weights(model: Transformer, start: Decisions) -> Transformer:
+    """Followers: `model` with process 0's starting weights, on `model`'s sharding."""
+    path = start.get_json("weights")
+    if path is None:
+        return model
+    graphdef, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+    target = abstract_like(pure, jax.tree.map(lambda x: x.sharding, pure))
+    nnx.replace_by_pure_dict(state, restore_weights(path, target))
+    logging.info("start weights restored from %s", path)
+    return nnx.merge(graphdef, state)
+
+
+# --- process 0 --------------------------------------------------------------------------
+
+
+class _LeaderTrainer:
+    """Process 0's `DistributedTrainer` behind the `ElasticTrainer` methods that
+    `Runtime` calls (cells by object, weights and counters of the core)."""
+
+    def __init__(self, distributed: DistributedTrainer):
+        self.distributed = distributed
+        self.elastic = distributed.trainer
+
+    @property
+    def step(self) -> int:
+        return self.elastic.step
+
+    @property
+    def version(self) -> int:
+        return self.elastic.version
+
+    @property
+    def params(self):
+        return self.elastic.params
+
+    @property
+    def training(self) -> list[Cell]:
+        return [self.distributed.cells[i] for i in self.distributed.training]
+
+    def model(self) -> Transformer:
+        return self.elastic.model()
+
+    def join(self, cell: Cell) -> None:
+        self.distributed.join(cell.index)
+
+    def release(self, cell: Cell) -> None:
+        self.distributed.release(cell.index)
+
+    def train_step(self, batch):
+        return self.distributed.train_step(batch)
+
+    def save(self, checkpointer, metadata: dict) -> None:
+        self.elastic.save(checkpointer, metadata)
+
+    def restore(self, checkpointer) -> dict:
+        return self.elastic.restore(checkpointer)
+
+
+class DistributedRuntime(Runtime):
+    """`Runtime` on process 0 of a multi-process job (see the module docstring).
+
+    Args:
+      config, cells, workdir: as for `Runtime` (`cells`: every process's cells).
+      trainer: process 0's side of the job's `DistributedTrainer`.
+    """
+
+    def __init__(
+        self, config: Config, cells: list[Cell], trainer: DistributedTrainer, workdir: Path
+    ):
+        self._distributed = trainer
+        self._export_lock = asyncio.Lock()
+        super().__init__(config, cells, trainer.trainer.model(), workdir)
+
+    def _make_trainer(self, model: Transformer) -> _LeaderTrainer:
+        del model  # the distributed trainer was built from it already
+        return _LeaderTrainer(self._distributed)
+
+    async def _start_engines(self) -> None:
+        loop = asyncio.get_running_loop()
+        decisions = self._distributed.decisions
+        for cell in self.cells:
+            if owner(cell) == 0:
+                self.engines[cell.index] = self._new_engine(cell)
+                continue
+            url = await loop.run_in_executor(None, decisions.get_json, engine_key(cell.index))
+            engine = await HttpEngine.connect(url)
+            if engine.version != self.trainer.version:  # a resumed run
+                await engine.update_weights(await self._weights_for(engine), self.trainer.version)
+            self.engines[cell.index] = engine
+            logging.info("cell %d: engine %s at %s", cell.index, engine.name, url)
+
+    async def _weights_for(self, engine: Engine):
+        if not isinstance(engine, HttpEngine):
+            return self.trainer.params
+        async with self._export_lock:  # one export per version, however many engines
+            published = self.workdir / "published"
+            path = published / f"version_{self.trainer.version}"
+            if not (path / "config.json").exists():  # written last: the export is complete
+                model = self.trainer.model()
+                await asyncio.get_running_loop().run_in_executor(None, export_hf, model, path)
+                # Keep this version and the one before (an engine may still be loading it).
+                for old in published.glob("version_*"):
+                    if int(old.name.split("_")[1]) < self.trainer.version - 1:
+                        shutil.rmtree(old, ignore_errors=True)
+        return str(path)
+
+
+# --- the other processes ----------------------------------------------------------------
+
+
+def serve_and_follow(
+    config: Config, cells: list[Cell], model: Transformer, trainer: DistributedTrainer
+) -> dict:
+    """A follower's whole job: serves an engine per local cell and carries out process
+    0's training decisions until it stops; returns what it did."""
+    return asyncio.run(_serve_and_follow(config, cells, model, trainer))
+
+
+async def _serve_and_follow(config, cells, model, trainer: DistributedTrainer) -> dict:
+    r = config.rollout
+    host = advertised_host()
+    servers: list[EngineServer] = []
+    summary = {"process": jax.process_index(), "steps_followed": 0, "cells": []}
+    try:
+        for index, cell in sorted(trainer.local.items()):
+            engine = JaxEngine(
+                f"cell{index}",
+                model,
+                cell,
+                max_slots=r.max_slots,
+                max_seq_len=r.max_seq_len,
+                rules=r.sharding_rules,
+                version=trainer.trainer.version,
+            )
+            server = EngineServer(engine)
+            servers.append(server)
+            url = await server.start(host, 0)
+            trainer.decisions.put_json(engine_key(index), url)
+            summary["cells"].append(index)
+            logging.info("cell %d: serving engine %s at %s", index, engine.name, url)
+        loop = asyncio.get_running_loop()
+        summary["steps_followed"] = await loop.run_in_executor(None, _follow, trainer)
+    finally:
+        for server in servers:
+            await server.stop()
+            await server.engine.shutdown()
+    return summary
+
+
+def _follow(trainer: DistributedTrainer) -> int:
+    """Carries out training decisions until process 0 stops; returns the steps taken part in."""
+    steps = 0
+    while (done := trainer.follow()) is not None:
+        steps += bool(done["cells"])
+    return steps
