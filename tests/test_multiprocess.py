@@ -231,10 +231,11 @@ def read_jsonl(path):
 
 
 def test_rl_across_two_processes_through_launch(tmp_path):
-    """The whole RL loop with process 1's cells remote: process 0 runs the scheduler,
-    proxy, harness and core; process 1 serves its engines over HTTP and trains a
-    satellite. The async policy with 3 training cells makes the roles certain: cells 0, 1
-    (process 0) and 2 (process 1) train, cell 3 (process 1) serves every model call."""
+    """The whole RL loop with process 1's cells remote: process 0 runs the warm start,
+    the scheduler, proxy, harness and core; process 1 starts from the warm-started
+    weights, serves its engines over HTTP and trains a satellite. The async policy with
+    3 training cells makes the roles certain: cells 0, 1 (process 0) and 2 (process 1)
+    train, cell 3 (process 1) serves every model call after the first publication."""
     workdir, logs = tmp_path / "run", tmp_path / "logs"
     command = [
         "bash", "launch/local.sh", "2", "--",
@@ -242,7 +243,8 @@ def test_rl_across_two_processes_through_launch(tmp_path):
         "--workdir", str(workdir), "--config.cells.num_cpu_devices=4",
         "--config.scheduler.policy=async", "--config.scheduler.async_training_cells=3",
         "--config.train.steps=3", "--config.scheduler.max_staleness=1",
-        "--config.train.rows_per_micro_step=1",
+        "--config.train.rows_per_micro_step=1", "--config.warmup.steps=1",
+        "--config.warmup.demonstrations=8", "--config.warmup.groups_per_step=4",
     ]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu", LOG_DIR=str(logs))
     done = subprocess.run(
@@ -282,5 +284,43 @@ def test_rl_across_two_processes_through_launch(tmp_path):
     publishes = [t for t in read_jsonl(workdir / "transitions.jsonl") if t["kind"] == "publish"]
     assert len(publishes) == 3 and all(p["engines"] == 1 for p in publishes)
     assert "cell 3: serving engine cell3" in follower_log
+
+    # Version-0 tokens were sampled with the warm-started weights wherever they ran, on
+    # process 1 too: their recorded log-probs are those of a plain forward pass of the
+    # start snapshot (temperature 1, no top-p/k: the behaviour distribution is softmax).
+    first = [c for c in calls if not np.any(c.versions)]
+    assert any(set(c.engines) & {"cell2", "cell3"} for c in first)
+    for c in first:
+        np.testing.assert_allclose(
+            c.logprobs, start_logprobs(workdir, c), atol=2e-4, err_msg=c.execution_id
+        )
     summary = json.loads((workdir / "run_summary.json").read_text())
     assert summary["steps"] == 3
+
+
+def start_logprobs(workdir, call) -> np.ndarray:
+    """Log-probs of `call`'s output tokens under the run's start weights (a reference
+    forward pass in this process, on one device)."""
+    from conftest import load_config_file
+    from flax import nnx
+
+    from gyrejax.config import from_dict
+    from gyrejax.train.checkpoint import restore_weights
+
+    if "model" not in _START:
+        config = from_dict(load_config_file("tiny_cpu", "smoke"))
+        graphdef, state = nnx.split(init_model(config.model))
+        target = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+        nnx.replace_by_pure_dict(state, restore_weights(workdir / "snapshots" / "start", target))
+        _START["model"] = nnx.merge(graphdef, state)
+    tokens = np.concatenate([call.prompt_ids, call.output_ids]).astype(np.int32)[None]
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    subtree_end = np.full_like(tokens, tokens.shape[1])  # one causal sequence
+    logits = _START["model"](tokens, positions, subtree_end)[0]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    prompt, n = len(call.prompt_ids), len(call.output_ids)
+    rows = np.arange(prompt - 1, prompt - 1 + n)
+    return np.asarray(logprobs[rows, call.output_ids])
+
+
+_START: dict = {}
