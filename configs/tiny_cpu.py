@@ -77,6 +77,10 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.max_seq_len = 640
     c.rollout.temperature = 1.0
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
+    # Engines outside the cells, by URL (vLLM servers, gyrejax engine servers); they
+    # rejoin each published version from an HF export under --workdir.
+    c.rollout.vllm_servers = ()
+    c.rollout.engine_servers = ()
 
     # Training. With executions_dir set, launch trains on that execution store (SFT or
     # RL by rl.loss) on every cell, checkpointing into --workdir and resuming from it.

