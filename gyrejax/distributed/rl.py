@@ -12,10 +12,10 @@ satellite of `DistributedTrainer` on each, following process 0's decisions:
     and joins the cell to the trainer; the follower's satellite pulls the core's weights
     (a collective at a step boundary, the Orbax snapshot when it joins a running step)
     and claims micro-steps from the shared queue;
-  * training -> rollout, and each burst's publication: process 0 exports the weights
+  * training -> rollout, and each burst's publication: the Runtime exports the weights
     once per version as an HF checkpoint (`workdir/published/version_<v>`) and remote
-    engines reload it by path (the path a vLLM engine takes too), so `workdir` must be
-    on storage that every host reads (it holds the snapshots for the same reason).
+    engines reload it by path (as external vLLM servers do), so `workdir` must be on
+    storage that every host reads (it holds the snapshots for the same reason).
 
 Start: every process builds the same initial model (the seed, or `model.hf_checkpoint`).
 With a warm start, process 0 runs it on its own cells while the others wait, then hands

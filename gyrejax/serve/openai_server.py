@@ -489,6 +489,9 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """Flags of the command line (only when run as a program)."""
     flags.DEFINE_multi_string("engine_url", [], "An EngineServer URL (repeat for several).")
+    flags.DEFINE_multi_string(
+        "vllm_url", [], "A vLLM server URL (repeat for several; see serve/vllm_server_engine.py)."
+    )
     flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on.")
     flags.DEFINE_integer("port", 8000, "Port (0 picks a free one; the banner says which).")
     flags.DEFINE_string("executions_dir", None, "ExecutionStore directory for records.")
@@ -499,9 +502,10 @@ def define_flags() -> None:
 async def serve_forever() -> None:
     """`python -m gyrejax.serve.openai_server --engine_url=http://host:8100 ...`."""
     from gyrejax.serve.http_engine import HttpEngine
+    from gyrejax.serve.vllm_server_engine import VllmServerEngine
 
-    if not FLAGS.engine_url:
-        raise app.UsageError("give at least one --engine_url")
+    if not FLAGS.engine_url and not FLAGS.vllm_url:
+        raise app.UsageError("give at least one --engine_url or --vllm_url")
     template = None
     if FLAGS.hf_tokenizer:
         from transformers import AutoTokenizer
@@ -510,6 +514,8 @@ async def serve_forever() -> None:
 
         template = HfChatTemplate(AutoTokenizer.from_pretrained(FLAGS.hf_tokenizer))
     engines = [await HttpEngine.connect(url) for url in FLAGS.engine_url]
+    for i, url in enumerate(FLAGS.vllm_url):
+        engines.append(await VllmServerEngine.connect(url, name=f"vllm{i}"))
     store = ExecutionStore(FLAGS.executions_dir) if FLAGS.executions_dir else None
     server = OpenAIServer(
         Proxy(engines), template, store=store, default_max_tokens=FLAGS.default_max_tokens
