@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO_ROOT, load_config_file
 
 from gyrejax.cells import split_into_cells
-from gyrejax.config import from_dict
+from gyrejax.config import ConfigError, from_dict
 from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.runtime import Runtime
 from gyrejax.trajectory import ExecutionStore
@@ -88,3 +88,14 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert len(trained) == len(set(trained))
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_unreachable_external_engine_is_one_clear_error(tmp_path):
+    c = load_config_file("tiny_cpu", "smoke")
+    c.cells.size, c.cells.fsdp = 4, 4
+    c.rollout.engine_servers = ("http://127.0.0.1:1",)  # nothing listens on port 1
+    config = from_dict(c)
+    runtime = Runtime(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
+    with pytest.raises(ConfigError, match=r"config\.rollout\.engine_servers\[0\]='http://127"):
+        runtime.run()
+    assert runtime.engines  # the cell engines had started, and were shut down again

@@ -45,7 +45,7 @@ import numpy as np
 from absl import logging
 
 from gyrejax.cells import Cell
-from gyrejax.config import Config
+from gyrejax.config import Config, ConfigError
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.tasks import draw_tasks
@@ -54,6 +54,7 @@ from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
+from gyrejax.rollout.types import EngineError
 from gyrejax.scheduler import plots
 from gyrejax.scheduler.policies import CellView, Role, View, make_policy, step_groups
 from gyrejax.serve.http_engine import HttpEngine
@@ -103,6 +104,7 @@ class Runtime:
         self.switching = [False] * len(cells)
         self.engines: dict[int, Engine] = {}  # one per cell
         self.external: list[Engine] = []  # config.rollout.vllm_servers, engine_servers
+        self.proxy: Proxy | None = None
         self._export_lock: asyncio.Lock | None = None
         self.groups: dict[str, _Group] = {}
         self.ready: collections.deque[str] = collections.deque()
@@ -132,22 +134,22 @@ class Runtime:
         self._start = time.monotonic()
         self._restore()
         self._export_lock = asyncio.Lock()
-        await self._start_engines()
-        await self._connect_external_engines()
-        self.proxy = Proxy([*self.engines.values(), *self.external])
-        self.harness = Harness(
-            self.proxy,
-            self.config.harness,
-            self.workdir / "workspaces",
-            temperature=self.config.rollout.temperature,
-            environment=self.env,
-        )
-        for cell in self.cells:
-            self.timeline.append((0.0, cell.index, Role.ROLLOUT.value))
-        self._spawn(self._transition_worker())
-        self._spawn(self._monitor())
-        self._resume_unfinished_groups()
-        try:
+        try:  # engines started so far are shut down even if a later one fails to start
+            await self._start_engines()
+            await self._connect_external_engines()
+            self.proxy = Proxy([*self.engines.values(), *self.external])
+            self.harness = Harness(
+                self.proxy,
+                self.config.harness,
+                self.workdir / "workspaces",
+                temperature=self.config.rollout.temperature,
+                environment=self.env,
+            )
+            for cell in self.cells:
+                self.timeline.append((0.0, cell.index, Role.ROLLOUT.value))
+            self._spawn(self._transition_worker())
+            self._spawn(self._monitor())
+            self._resume_unfinished_groups()
             while self.trainer.step < self.config.train.steps:
                 decision = self.policy(self._view())
                 for _ in range(decision.dispatch):
@@ -253,16 +255,19 @@ class Runtime:
         """Engines outside the cells (always rolling out); each gets the current
         weights first, whatever the server started with."""
         r = self.config.rollout
-        for i, url in enumerate(r.vllm_servers):
-            self.external.append(await VllmServerEngine.connect(url, name=f"vllm{i}"))
-        for url in r.engine_servers:
-            self.external.append(await HttpEngine.connect(url))
-        for engine in self.external:
-            await engine.update_weights(await self._weights_for(engine), self.trainer.version)
-            logging.info("external engine %s at %s", engine.name, engine.url)
-
-    def _training_cells(self) -> set[int]:
-        return {c.index for c in self.trainer.training}
+        servers = [("vllm_servers", i, url) for i, url in enumerate(r.vllm_servers)]
+        servers += [("engine_servers", i, url) for i, url in enumerate(r.engine_servers)]
+        for field, i, url in servers:
+            try:
+                if field == "vllm_servers":
+                    engine = await VllmServerEngine.connect(url, name=f"vllm{i}")
+                else:
+                    engine = await HttpEngine.connect(url)
+                self.external.append(engine)
+                await engine.update_weights(await self._weights_for(engine), self.trainer.version)
+            except (EngineError, ValueError) as e:  # unreachable, or not usable as set up
+                raise ConfigError(f"config.rollout.{field}[{i}]={url!r}: {e}") from e
+            logging.info("external engine %s at %s", engine.name, url)
 
     # --- rollout ---------------------------------------------------------------------------
 
@@ -492,7 +497,7 @@ class Runtime:
         while True:
             await asyncio.sleep(0.25)
             in_flight = self.proxy.counters().in_flight
-            training = self._training_cells()
+            training = {c.index for c in self.trainer.training}
             busy = []
             for cell in self.cells:
                 if self.switching[cell.index]:
@@ -558,7 +563,7 @@ class Runtime:
 
     async def _shutdown(self) -> None:
         for group in self.groups.values():
-            if not group.done:  # its request ids all start with "<group id>/"
+            if not group.done and self.proxy is not None:  # request ids: "<group id>/..."
                 self.proxy.cancel_execution(group.group_id)
         for task in list(self._tasks):
             if task is not self.step_task:
