@@ -247,3 +247,24 @@ def test_malformed_engine_requests_are_refused_by_field_and_the_server_keeps_ser
         )
     assert completion.output_ids.tolist() == scripted_answer(PROMPT, None)
     assert version == 3 and (completion.versions == 3).all()
+
+
+def test_vllm_client_names_what_the_server_lacks():
+    """`VllmServerEngine.connect` against a server that is not a suitably started vLLM
+    (here our own engine server: no vLLM development endpoints) is one ValueError
+    naming the missing setting; nothing listening is an EngineError."""
+    from gyrejax.rollout.types import EngineError
+    from gyrejax.serve.vllm_server_engine import VllmServerEngine
+
+    async def go():
+        server = EngineServer(ScriptedEngine("e", scripted_answer))
+        url = await server.start()
+        try:
+            with pytest.raises(ValueError, match="VLLM_SERVER_DEV_MODE=1"):
+                await VllmServerEngine.connect(url, name="v")
+        finally:
+            await server.stop()
+        with pytest.raises(EngineError):
+            await VllmServerEngine.connect(url, name="v")  # nothing listens there now
+
+    asyncio.run(go())

@@ -1,8 +1,8 @@
 """`VllmServerEngine`: a vLLM server (`vllm serve`, started by anyone, on any host) used
 as an `Engine` through vLLM's own HTTP API.
 
-The server must run with these flags (`connect` checks the log-probs mode and the
-development endpoints; the generate endpoint names a missing --enable-scale-out):
+The server must run with these flags (`connect` checks each and names the one
+missing):
   --logprobs-mode processed_logprobs   behaviour log-probs of the distribution sampled
   --enable-scale-out                   the token-in/token-out endpoint
   VLLM_SERVER_DEV_MODE=1 (environment) pause/resume, weight reload, version labels
@@ -152,20 +152,11 @@ class VllmServerEngine(HttpEngine):
         """
         probe = cls(url, name=name, capacity=1, max_seq_len=2, version=version, **kwargs)
         try:
-            info = await probe._vllm("GET", "/server_info", params={"config_format": "json"})
-        except ValueError as e:  # 404: the development endpoints are off
-            raise ValueError(
-                f"vLLM server {url}: no /server_info ({e}); start it with VLLM_SERVER_DEV_MODE=1"
-            ) from None
+            config = await probe._server_config()
+            await probe._check_scale_out()
         finally:
             await probe.shutdown()
-        config = info["vllm_config"]
         model = config["model_config"]
-        if model.get("logprobs_mode") != "processed_logprobs":
-            raise ValueError(
-                f"vLLM server {url}: logprobs_mode={model.get('logprobs_mode')!r}; start it "
-                "with --logprobs-mode processed_logprobs (the log-probs PPO needs)"
-            )
         engine = cls(
             url,
             name=name,
@@ -364,6 +355,49 @@ class VllmServerEngine(HttpEngine):
             stream.versions.append(self._version)  # provisional: the spans give exact ones
         if tokens:
             self.heartbeat = time.monotonic()
+
+    async def _server_config(self) -> dict:
+        """The server's vLLM config, checked for what this engine needs.
+
+        Raises:
+          ValueError: dev mode is off, or the log-probs are not the processed ones.
+        """
+        try:
+            info = await self._vllm("GET", "/server_info", params={"config_format": "json"})
+        except ValueError as e:  # 404: the development endpoints are off
+            raise ValueError(
+                f"vLLM server {self.url}: no /server_info ({e}); start it with "
+                "VLLM_SERVER_DEV_MODE=1"
+            ) from None
+        config = info["vllm_config"]
+        mode = config["model_config"].get("logprobs_mode")
+        if mode != "processed_logprobs":
+            raise ValueError(
+                f"vLLM server {self.url}: logprobs_mode={mode!r}; start it with "
+                "--logprobs-mode processed_logprobs (the log-probs PPO needs)"
+            )
+        return config
+
+    async def _check_scale_out(self) -> None:
+        """An empty generate request: a server with the token-in/token-out endpoint
+        refuses it as invalid (422), one without it as forbidden (403).
+
+        Raises:
+          ValueError: the endpoint is off (start the server with --enable-scale-out).
+        """
+        try:
+            async with self._client().post(
+                self.url + "/inference/v1/generate",
+                json={},
+                timeout=aiohttp.ClientTimeout(total=self.status_timeout_s),
+            ) as response:
+                if response.status in (403, 404):
+                    message = await _error_message(response)
+                    raise ValueError(
+                        f"vLLM server {self.url}: {message} (start it with --enable-scale-out)"
+                    )
+        except _NETWORK_ERRORS as e:
+            raise EngineError(f"engine {self.name} at {self.url}: generate: {e!r}") from e
 
     async def _abort(self, stream: _Stream) -> None:
         body = {"request_ids": [_ID_PREFIX + stream.vllm_id]}
