@@ -1,8 +1,10 @@
 """A vLLM server (vLLM's own OpenAI-compatible server, started as a user would) used as
 an engine by URL: parity with our JAX model, export to a JAX engine, in-place weight
-reload with exact per-token versions, and a dead server failing its requests.
+reload with exact per-token versions, a dead server failing its requests, and a server
+without the token-in/token-out endpoint refused at connect.
 
-One server is started for the module (~40 s on 2 cores); the last test kills it.
+One server is started for the module (~40 s on 2 cores) and killed by the death test;
+the RL test and the misconfigured-server test start their own.
 """
 
 import asyncio
@@ -41,11 +43,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint, port: int, max_model_len: int = MAX_SEQ_LEN):
-    """Starts a vLLM server (its log next to the checkpoint, not a pipe it could fill);
-    returns its URL once it answers, and its process."""
+def start_server(checkpoint, port: int, max_model_len: int = MAX_SEQ_LEN, without=()):
+    """Starts a vLLM server (its log next to the checkpoint, not a pipe it could fill),
+    with the flags in `without` left out; returns its URL once it answers, and its process."""
     command, env = server_command(checkpoint, port, max_model_len=max_model_len, max_num_seqs=8)
-    log = open(f"{checkpoint}.server.log", "w")
+    command = [arg for arg in command if arg not in without]
+    log = open(f"{checkpoint}.server{port}.log", "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -221,6 +224,19 @@ def test_rl_runtime_rolls_out_on_an_external_vllm_server(tmp_path):
             np.testing.assert_allclose(
                 call.logprobs, call_logprobs(references[version], call), atol=LOGPROB_ATOL
             )
+
+
+def test_connect_names_the_missing_scale_out_flag(checkpoints):
+    """A real vLLM server started without --enable-scale-out (its token-in/token-out
+    endpoint off) is refused by `connect` with the flag to add, not used until the first
+    request fails."""
+    url, process = start_server(checkpoints[0], free_port(), without=("--enable-scale-out",))
+    try:
+        with pytest.raises(ValueError, match="start it with --enable-scale-out"):
+            run(VllmServerEngine.connect(url, name="v"))
+    finally:
+        process.kill()
+        process.wait()
 
 
 async def _weight_label(url) -> str:
