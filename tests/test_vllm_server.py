@@ -1,10 +1,11 @@
 """A vLLM server (vLLM's own OpenAI-compatible server, started as a user would) used as
 an engine by URL: parity with our JAX model, export to a JAX engine, in-place weight
-reload with exact per-token versions, a dead server failing its requests, and a server
-without the token-in/token-out endpoint refused at connect.
+reload with exact per-token versions, a dead server failing its requests, and servers
+started without the token-in/token-out endpoint or the processed log-probs refused at
+connect.
 
 One server is started for the module (~40 s on 2 cores) and killed by the death test;
-the RL test and the misconfigured-server test start their own.
+the RL test and the misconfigured-server tests start their own.
 """
 
 import asyncio
@@ -226,13 +227,23 @@ def test_rl_runtime_rolls_out_on_an_external_vllm_server(tmp_path):
             )
 
 
-def test_connect_names_the_missing_scale_out_flag(checkpoints):
-    """A real vLLM server started without --enable-scale-out (its token-in/token-out
-    endpoint off) is refused by `connect` with the flag to add, not used until the first
-    request fails."""
-    url, process = start_server(checkpoints[0], free_port(), without=("--enable-scale-out",))
+@pytest.mark.parametrize(
+    "without, message",
+    [
+        # the token-in/token-out endpoint off: nothing could be generated
+        (("--enable-scale-out",), "start it with --enable-scale-out"),
+        # raw log-probs: with temperature or top-p they are not the sampled distribution's,
+        # so PPO's ratios would be silently wrong
+        (("--logprobs-mode", "processed_logprobs"), "--logprobs-mode processed_logprobs"),
+    ],
+)
+def test_connect_names_the_missing_flag(checkpoints, without, message):
+    """A real vLLM server started without a flag this engine needs is refused by
+    `connect` with the flag to add, not used until a request fails or records wrong
+    log-probs."""
+    url, process = start_server(checkpoints[0], free_port(), without=without)
     try:
-        with pytest.raises(ValueError, match="start it with --enable-scale-out"):
+        with pytest.raises(ValueError, match=message):
             run(VllmServerEngine.connect(url, name="v"))
     finally:
         process.kill()
