@@ -148,7 +148,9 @@ def parse_action(text: str) -> Action:
         return Action("write", path=argument, content=rest)
     if rest.strip():
         if keyword in ("delegate", "done"):
-            argument = f"{argument}\n{rest}".strip()
+            # All text after the keyword, verbatim but for the ends: whitespace closing the
+            # first line ("\r", spaces) is part of the text, so format_action restores it.
+            argument = body[len(keyword) :].strip()
         else:
             return _malformed(text, f"{keyword} takes a single line")
     if keyword == "read":
