@@ -412,6 +412,15 @@ class Config:
                 f"must be >= rollout.max_seq_len={self.rollout.max_seq_len}: a call is trained "
                 "with its whole context in one row",
             )
+        for name in ("vllm_servers", "engine_servers"):
+            servers = getattr(self.rollout, name)
+            if servers and (self.train.executions_dir or not self.train.steps):
+                _fail(
+                    f"rollout.{name}",
+                    servers,
+                    "external engines roll out in the RL loop only (train.steps > 0 "
+                    "and no train.executions_dir)",
+                )
         for prompt in self.generate.prompts:
             for token in prompt:
                 if token >= self.model.vocab_size:

@@ -49,6 +49,17 @@ def test_values_are_coerced_to_field_types():
             r"config\.rollout\.max_seq_len=2048: must hold harness\.context_budget_tokens",
         ),
         ({"warmup": {"quality": 1.5}}, r"config\.warmup\.quality=1\.5: expected a value in"),
+        (  # accepted and ignored would be worse: nothing but the RL loop uses them
+            {"rollout": {"vllm_servers": ["http://h:8000"]}, "train": {"steps": 0}},
+            r"config\.rollout\.vllm_servers=\('http://h:8000',\): external engines roll out",
+        ),
+        (
+            {
+                "rollout": {"engine_servers": ["http://h:8100"]},
+                "train": {"steps": 2, "executions_dir": "/s"},
+            },
+            r"config\.rollout\.engine_servers=.*in the RL loop only",
+        ),
         ({"harness": {"task_pool": -1}}, r"config\.harness\.task_pool=-1"),
         (
             {"train": {"sharding_rules": [["embed", "data"]]}},

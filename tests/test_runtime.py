@@ -1,21 +1,27 @@
 """The RL runtime: every policy completes its steps; kill-and-resume loses nothing and
 trains nothing twice (through the real launch path)."""
 
+import asyncio
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import jax
+import numpy as np
 import pytest
 from conftest import REPO_ROOT, load_config_file
+from flax import nnx
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
+from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
-from gyrejax.scheduler.runtime import Runtime
+from gyrejax.scheduler.runtime import PublishedWeights, Runtime
 from gyrejax.trajectory import ExecutionStore
 
 
@@ -103,3 +109,100 @@ def test_unreachable_external_engine_is_one_clear_error(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.rollout\.engine_servers\[0\]='http://127"):
         runtime.run()
     assert runtime.engines  # the cell engines had started, and were shut down again
+
+
+def start_engine_server(*flags):
+    """A gyrejax engine server subprocess; returns it and its URL once it serves."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gyrejax.serve.engine_server", "--port=0", *flags],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    banner = server.stdout.readline()
+    assert banner.startswith("serving engine "), banner
+    return server, banner.split()[-1]
+
+
+def two_cells_async(steps: int):
+    """smoke on two cells: cell 0 trains, cell 1 rolls out; a publication per step."""
+    c = load_config_file("tiny_cpu", "smoke")
+    c.cells.size, c.cells.fsdp = 4, 4
+    c.scheduler.policy, c.scheduler.async_training_cells = "async", 1
+    c.train.steps = steps
+    return c
+
+
+def test_external_engine_named_like_a_cell_is_one_clear_error(tmp_path):
+    server, url = start_engine_server("--engine=scripted", "--name=cell1")
+    try:
+        c = two_cells_async(steps=1)
+        c.rollout.engine_servers = (url,)
+        config = from_dict(c)
+        runtime = Runtime(
+            config, split_into_cells(config.cells), init_model(config.model), tmp_path
+        )
+        with pytest.raises(
+            ConfigError, match=r"config\.rollout\.engine_servers\[0\]=.*named 'cell1' like another"
+        ):
+            runtime.run()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_dead_external_engine_is_dropped_and_the_run_goes_on(tmp_path):
+    """An engine server killed after the first publication: its requests move to the
+    rollout cell, the next publications skip it (or drop it when they fail), and every
+    step completes."""
+    c = two_cells_async(steps=3)
+    config = from_dict(c)
+    start = export_hf(init_model(config.model), tmp_path / "start")
+    server, url = start_engine_server(
+        "--engine=jax", f"--hf_dir={start}", "--name=ext",
+        f"--max_seq_len={config.rollout.max_seq_len}", f"--max_slots={config.rollout.max_slots}",
+    )  # fmt: skip
+    workdir = tmp_path / "run"
+    transitions = workdir / "transitions.jsonl"
+
+    def kill_after_the_first_publication():
+        while server.poll() is None:
+            if transitions.exists() and '"publish"' in transitions.read_text():
+                server.kill()
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_after_the_first_publication, daemon=True)
+    killer.start()
+    try:
+        c.rollout.engine_servers = (url,)
+        config = from_dict(c)
+        summary = Runtime(
+            config, split_into_cells(config.cells), init_model(config.model), workdir
+        ).run()
+    finally:
+        server.kill()
+        server.wait()
+    assert summary["steps"] == 3
+    publishes = [t for t in read_jsonl(transitions) if t["kind"] == "publish"]
+    assert len(publishes) == 3
+    assert publishes[0]["engines"] == 2  # cell 1 and ext
+    assert [p["engines"] for p in publishes[1:]] == [1, 1]  # ext is gone
+
+
+def test_published_weights_are_this_runs_never_an_earlier_runs(tmp_path):
+    """A run resumed from an older checkpoint trains later versions again: exports an
+    earlier run left under the same names must not reach the engines."""
+    config = from_dict(load_config_file("tiny_cpu", "smoke")).model
+    earlier, now = init_model(config, seed=1), init_model(config, seed=2)
+    for version in (3, 4):
+        export_hf(earlier, tmp_path / f"version_{version}")  # the killed run's
+    published = PublishedWeights(tmp_path)
+
+    async def ask():
+        first = await published.path(3, lambda: now)
+        again = await published.path(3, lambda: earlier)  # written once per version
+        return first, again
+
+    first, again = asyncio.run(ask())
+    assert first == again == tmp_path / "version_3"
+    pure = lambda model: nnx.to_pure_dict(nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, pure(load_hf(first)), pure(now))
+    assert not (tmp_path / "version_4").exists()  # the earlier run's later version is gone

@@ -7,7 +7,9 @@ satellite of `DistributedTrainer` on each, following process 0's decisions:
 
   * rollout role: process 0's proxy reaches the engine by URL (`HttpEngine`), so a
     remote cell takes part in routing, draining (export + re-submit across hosts),
-    failure retry and the records exactly like a local one;
+    failure retry and the records exactly like a local one (a dead follower, though,
+    ends the job: JAX's distributed runtime stops every process; the same command
+    resumes it);
   * rollout -> training: process 0 drains the remote engine, frees its memory over HTTP
     and joins the cell to the trainer; the follower's satellite pulls the core's weights
     (a collective at a step boundary, the Orbax snapshot when it joins a running step)

@@ -116,6 +116,7 @@ class DistributedTrainer:
             raise ValueError('weight_pull="snapshot" needs a snapshot_dir')
         self.weight_pull = weight_pull
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir).absolute()
+        self._snapshots: set[int] = set()  # versions whose snapshot this run wrote
         self.cells = list(cells)
         self.process = jax.process_index()
         self._owners = [owner(c) for c in self.cells]
@@ -194,8 +195,11 @@ class DistributedTrainer:
         process) before the version goes up.
         """
         path = self.snapshot_dir / f"version_{self.trainer.version}"
-        if not path.is_dir():
-            save_weights(path, self.trainer.params)
+        # Written by this run: one an earlier run left (a resume from an older checkpoint
+        # trains this version again) holds other weights.
+        if self.trainer.version not in self._snapshots:
+            save_weights(path, self.trainer.params)  # replaces any earlier one
+            self._snapshots.add(self.trainer.version)
         for old in self.snapshot_dir.glob("version_*"):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)

@@ -150,6 +150,14 @@ class Proxy:
     def engines(self) -> list[Engine]:
         return [s.engine for s in self._engines.values()]
 
+    def failed(self, name: str) -> bool:
+        return self._engines[name].failed
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        """Declares an engine failed (e.g. a weight update to it failed): it gets no new
+        requests and its requests in flight move, as after a crash."""
+        self._mark_failed(self._engines[name], reason)
+
     def counters(self) -> Counters:
         return Counters(
             dispatched=self._dispatched,

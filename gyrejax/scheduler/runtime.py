@@ -39,6 +39,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,35 @@ class _Group:
     done: bool = False
 
 
+class PublishedWeights:
+    """HF exports of the policy for engines reached by URL, `directory/version_<v>`: read
+    by the engines' hosts (shared storage), written once per version by this run.
+
+    An export an earlier run of the same workdir left is never reused: a run resumed
+    from an older checkpoint trains the later versions again, so their old exports hold
+    other weights.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._written: set[int] = set()
+        self._lock = asyncio.Lock()
+
+    async def path(self, version: int, model: Callable[[], Transformer]) -> Path:
+        """The export of `version` (`model()` builds it; called only when not written)."""
+        path = self.directory / f"version_{version}"
+        async with self._lock:
+            if version not in self._written:
+                shutil.rmtree(path, ignore_errors=True)  # an earlier run's, or a partial one
+                await asyncio.get_running_loop().run_in_executor(None, export_hf, model(), path)
+                self._written.add(version)
+                # Keep this version and the one before (an engine may still be loading it).
+                for old in self.directory.glob("version_*"):
+                    if old.name not in (path.name, f"version_{version - 1}"):
+                        shutil.rmtree(old, ignore_errors=True)
+        return path
+
+
 class Runtime:
     """Runs `config.train.steps` RL steps with the configured scheduling policy.
 
@@ -105,7 +135,7 @@ class Runtime:
         self.engines: dict[int, Engine] = {}  # one per cell
         self.external: list[Engine] = []  # config.rollout.vllm_servers, engine_servers
         self.proxy: Proxy | None = None
-        self._export_lock: asyncio.Lock | None = None
+        self.published = PublishedWeights(workdir / "published")
         self.groups: dict[str, _Group] = {}
         self.ready: collections.deque[str] = collections.deque()
         self.trained_groups: list[str] = []
@@ -133,7 +163,6 @@ class Runtime:
         self._changed = asyncio.Event()
         self._start = time.monotonic()
         self._restore()
-        self._export_lock = asyncio.Lock()
         try:  # engines started so far are shut down even if a later one fails to start
             await self._start_engines()
             await self._connect_external_engines()
@@ -236,20 +265,10 @@ class Runtime:
         """What `engine.update_weights` gets for the trainer's current weights (called
         only while no step runs: a step's update donates the weights' buffers): the
         arrays for an engine in this process, the path of an HF export of them for an
-        engine reached by URL (written once per version under `workdir/published`)."""
+        engine reached by URL (`workdir/published`)."""
         if not isinstance(engine, HttpEngine):
             return self.trainer.params
-        async with self._export_lock:
-            published = self.workdir / "published"
-            path = published / f"version_{self.trainer.version}"
-            if not (path / "config.json").exists():  # written last: the export is complete
-                model = self.trainer.model()
-                await asyncio.get_running_loop().run_in_executor(None, export_hf, model, path)
-                # Keep this version and the one before (an engine may still be loading it).
-                for old in published.glob("version_*"):
-                    if int(old.name.split("_")[1]) < self.trainer.version - 1:
-                        shutil.rmtree(old, ignore_errors=True)
-        return str(path)
+        return str(await self.published.path(self.trainer.version, self.trainer.model))
 
     async def _connect_external_engines(self) -> None:
         """Engines outside the cells (always rolling out); each gets the current
@@ -263,7 +282,13 @@ class Runtime:
                     engine = await VllmServerEngine.connect(url, name=f"vllm{i}")
                 else:
                     engine = await HttpEngine.connect(url)
-                self.external.append(engine)
+                self.external.append(engine)  # shut down with the others from here on
+                names = [e.name for e in [*self.engines.values(), *self.external]]
+                if names.count(engine.name) > 1:  # records and routing go by name
+                    raise ValueError(
+                        f"its engine is named {engine.name!r} like another engine of this "
+                        "run; give each server its own name (engine_server --name)"
+                    )
                 await engine.update_weights(await self._weights_for(engine), self.trainer.version)
             except (EngineError, ValueError) as e:  # unreachable, or not usable as set up
                 raise ConfigError(f"config.rollout.{field}[{i}]={url!r}: {e}") from e
@@ -371,22 +396,34 @@ class Runtime:
             self._notify()
 
     async def _publish(self) -> None:
-        """Ends a burst: the rollout engines get the newest weights."""
+        """Ends a burst: the rollout engines get the newest weights. An external engine
+        that fails its update is dropped like one that crashed; the run goes on."""
         start = time.perf_counter()
         version = self.trainer.version
         live = [
             e for i, e in self.engines.items()
             if self.roles[i] is Role.ROLLOUT and not self.switching[i]
-        ] + self.external  # fmt: skip
-        updates = [e.update_weights(await self._weights_for(e), version) for e in live]
-        await asyncio.gather(*updates)
+        ] + [e for e in self.external if not self.proxy.failed(e.name)]  # fmt: skip
+        weights = [await self._weights_for(e) for e in live]
+        updates = [e.update_weights(w, version) for e, w in zip(live, weights, strict=True)]
+        results = await asyncio.gather(*updates, return_exceptions=True)
+        failed = []
+        for engine, result in zip(live, results, strict=True):
+            if not isinstance(result, BaseException):
+                continue
+            if engine in self.external and isinstance(result, EngineError):
+                self.proxy.mark_failed(engine.name, f"weight update failed: {result}")
+                failed.append(engine.name)
+            else:  # a cell's engine: the run cannot go on without it
+                raise result
         self.rollout_version = version
         self.burst += 1
         self.steps_in_burst = 0
         c = self.proxy.counters()
         self.burst_base = (c.dispatched, c.started, c.finished)
         phases = {"publish_s": time.perf_counter() - start, "version": version}
-        self._log_transition(None, "publish", {**phases, "engines": len(live)})
+        phases.update(engines=len(live) - len(failed), failed=failed)
+        self._log_transition(None, "publish", phases)
 
     def _record_step(self, report, batch, group_ids: list[str]) -> None:
         rewards = [
@@ -454,8 +491,8 @@ class Runtime:
         t1 = time.perf_counter()
         await engine.release_memory()
         t2 = time.perf_counter()
-        if not cell.is_core:
-            self.trainer.join(cell)
+        if not cell.is_core:  # off the loop: a join may write a weights snapshot
+            await asyncio.get_running_loop().run_in_executor(None, self.trainer.join, cell)
         return {"drain_s": t1 - t0, "migrated": report.migrated, "kv_copies": report.kv_copies,
                 "resubmits": report.resubmits, "free_s": t2 - t1}  # fmt: skip
 

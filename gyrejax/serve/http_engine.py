@@ -52,6 +52,8 @@ class HttpEngine(Engine):
       poll_interval_s: status poll period while requests are held (the heartbeat).
       connect_timeout_s: time to open a connection before the host counts as down.
       status_timeout_s: time for a status/control answer before it counts as failed.
+      reload_timeout_s: time for a weight update or resume (a host loading an export
+        of a large model from shared storage) before the engine counts as failed.
     """
 
     exports_kv = False
@@ -66,6 +68,7 @@ class HttpEngine(Engine):
         poll_interval_s: float = 1.0,
         connect_timeout_s: float = 10.0,
         status_timeout_s: float = 30.0,
+        reload_timeout_s: float = 600.0,
     ):
         self.url = url.rstrip("/")
         self.name = name
@@ -74,6 +77,7 @@ class HttpEngine(Engine):
         self.poll_interval_s = poll_interval_s
         self.connect_timeout_s = connect_timeout_s
         self.status_timeout_s = status_timeout_s
+        self.reload_timeout_s = reload_timeout_s
         self.heartbeat = time.monotonic()
         self._held: dict[str, tuple[asyncio.Future, asyncio.Task]] = {}
         self._background: set[asyncio.Task] = set()  # fire-and-forget cancels
@@ -133,7 +137,11 @@ class HttpEngine(Engine):
         finish_reason "cancelled", as a local engine's does."""
         if self._closed or request_id not in self._held:
             return
-        task = asyncio.get_running_loop().create_task(self._cancel(request_id))
+        self._in_background(self._cancel(request_id))
+
+    def _in_background(self, coroutine) -> None:
+        """Runs `coroutine` without waiting for it (shutdown cancels what is left)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -156,7 +164,9 @@ class HttpEngine(Engine):
                 f"directory path, got {type(weights).__name__}"
             )
         body = await self._control(
-            "update_weights", {"path": os.fspath(weights), "version": int(version)}
+            "update_weights",
+            {"path": os.fspath(weights), "version": int(version)},
+            timeout_s=self.reload_timeout_s,
         )
         self._version = int(body.get("version", version))
 
@@ -164,7 +174,7 @@ class HttpEngine(Engine):
         await self._control("release_memory", {})
 
     async def resume(self) -> None:
-        await self._control("resume", {})
+        await self._control("resume", {}, timeout_s=self.reload_timeout_s)
 
     async def status(self) -> dict[str, Any]:
         """The server's status (name, capacity, load, version, ...); refreshes the cache.
@@ -248,8 +258,9 @@ class HttpEngine(Engine):
             except EngineError as e:  # no heartbeat: the proxy's watchdog decides
                 logging.warning("engine %s: status poll failed: %s", self.name, e)
 
-    async def _control(self, endpoint: str, payload: dict) -> dict:
-        return await self._request("POST", endpoint, payload, timeout_s=self.status_timeout_s)
+    async def _control(self, endpoint: str, payload: dict, timeout_s: float | None = None) -> dict:
+        timeout_s = self.status_timeout_s if timeout_s is None else timeout_s
+        return await self._request("POST", endpoint, payload, timeout_s=timeout_s)
 
     def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()

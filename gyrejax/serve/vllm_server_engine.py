@@ -21,7 +21,9 @@ What it uses:
     KV under the new weights), `/update_weight_version`, `/resume` — the steps the
     in-process `VllmEngine` takes;
   * `/sleep` and `/wake_up` for `release_memory`/`resume` (on CPU vLLM accepts and
-    ignores them), `/health` as the heartbeat while requests are held.
+    ignores them); `/health` (the engine core is alive) and `/weight_info` answered are
+    the heartbeat while requests are held, and so is every streamed token. (A core that
+    is alive but makes no progress still answers them: it is not declared hung.)
 
 Sampling matches `VllmEngine` field for field (`vllm_engine.sampling_fields`), so a
 seeded request samples the same tokens from either.
@@ -128,15 +130,13 @@ class VllmServerEngine(HttpEngine):
       name: the engine name in routing and records.
       capacity, max_seq_len: the server's `max_num_seqs` and `max_model_len`.
       version: the policy version of the weights it serves.
-      poll_interval_s, connect_timeout_s, status_timeout_s: as for `HttpEngine`.
-      reload_timeout_s: how long a weight reload may take before the engine counts as
-        failed.
+      poll_interval_s, connect_timeout_s, status_timeout_s, reload_timeout_s: as for
+        `HttpEngine`.
     """
 
-    def __init__(self, url: str, *, max_seq_len: int, reload_timeout_s: float = 600.0, **kwargs):
+    def __init__(self, url: str, *, max_seq_len: int, **kwargs):
         super().__init__(url, **kwargs)
         self.max_seq_len = max_seq_len
-        self.reload_timeout_s = reload_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._submissions = 0
         self._update_lock = asyncio.Lock()
@@ -165,7 +165,11 @@ class VllmServerEngine(HttpEngine):
             version=version,
             **kwargs,
         )
-        await engine._label(version)
+        try:
+            await engine._label(version)
+        except BaseException:
+            await engine.shutdown()
+            raise
         return engine
 
     # --- interface ---------------------------------------------------------------------
@@ -202,9 +206,7 @@ class VllmServerEngine(HttpEngine):
         if self._closed or stream is None or stream.ending is not None:
             return
         stream.ending = "cancelled"
-        task = asyncio.get_running_loop().create_task(self._abort(stream))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._abort(stream))
 
     async def update_weights(self, weights, version: int) -> None:
         """Reloads the server's weights in place from an HF checkpoint directory.
@@ -251,7 +253,7 @@ class VllmServerEngine(HttpEngine):
         await self._vllm("POST", "/sleep", params={"level": "1"})
 
     async def resume(self) -> None:
-        await self._vllm("POST", "/wake_up")
+        await self._vllm("POST", "/wake_up", timeout_s=self.reload_timeout_s)
 
     async def status(self) -> dict:
         """Health and weight label; refreshes the heartbeat.
@@ -261,6 +263,7 @@ class VllmServerEngine(HttpEngine):
         """
         if self._failure is not None:
             raise EngineError(self._failure)
+        await self._vllm("GET", "/health")  # 503 once the engine core is dead
         info = await self._vllm("GET", "/weight_info")
         self.heartbeat = time.monotonic()
         return {"name": self.name, "capacity": self.capacity, "load": self.load, **info}
@@ -314,6 +317,7 @@ class VllmServerEngine(HttpEngine):
                     if 400 <= response.status < 500:
                         raise ValueError(f"engine {self.name}: generate: {message}")
                     raise EngineError(f"engine {self.name}: generate: HTTP {response.status}")
+                aborted_again = False
                 async for line in response.content:
                     if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                         continue
@@ -321,6 +325,11 @@ class VllmServerEngine(HttpEngine):
                     self._take(stream, choice)
                     if choice.get("finish_reason") is not None:
                         final = choice
+                    elif stream.ending is not None and not aborted_again:
+                        # An abort that reached vLLM before this request did was lost;
+                        # tokens after it show the request exists: send it once more.
+                        aborted_again = True
+                        self._in_background(self._abort(stream))
         except _NETWORK_ERRORS as e:
             raise EngineError(f"engine {self.name} at {self.url}: generate: {e!r}") from e
         if final is None:
