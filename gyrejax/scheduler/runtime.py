@@ -135,7 +135,7 @@ class Runtime:
         self.engines: dict[int, Engine] = {}  # one per cell
         self.external: list[Engine] = []  # config.rollout.vllm_servers, engine_servers
         self.proxy: Proxy | None = None
-        self.published = PublishedWeights(workdir / "published")
+        self.published = PublishedWeights(self.workdir / "published")
         self.groups: dict[str, _Group] = {}
         self.ready: collections.deque[str] = collections.deque()
         self.trained_groups: list[str] = []
