@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import tempfile
 import time
 
@@ -75,7 +74,9 @@ async def vllm_pair(model, prompts, new_tokens, reps) -> dict:
         from gyrejax.rollout.vllm_engine import VllmEngine
         from gyrejax.serve.vllm_server_engine import (
             VllmServerEngine,
+            kill_server_process,
             server_command,
+            start_server_process,
             wait_until_healthy,
         )
     except ImportError as e:
@@ -90,7 +91,7 @@ async def vllm_pair(model, prompts, new_tokens, reps) -> dict:
         port = free_port()
         command, env = server_command(directory, port, max_model_len=256, max_num_seqs=len(prompts))
         with open(os.path.join(directory, "server.log"), "w") as log:
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            process = start_server_process(command, env, log)
         try:
             url = f"http://127.0.0.1:{port}"
             start = time.perf_counter()
@@ -102,8 +103,7 @@ async def vllm_pair(model, prompts, new_tokens, reps) -> dict:
             finally:
                 await remote.shutdown()
         finally:
-            process.kill()
-            process.wait()
+            kill_server_process(process)
     result = compare(in_process, over_http)
     result["server_startup_s"] = startup_s
     return result

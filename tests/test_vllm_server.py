@@ -10,7 +10,6 @@ the RL test and the misconfigured-server tests start their own.
 
 import asyncio
 import socket
-import subprocess
 
 import numpy as np
 import pytest
@@ -29,7 +28,9 @@ from gyrejax.rollout.types import EngineError, Request, RequestMigrated, Samplin
 from gyrejax.scheduler.runtime import Runtime
 from gyrejax.serve.vllm_server_engine import (
     VllmServerEngine,
+    kill_server_process,
     server_command,
+    start_server_process,
     wait_until_healthy,
 )
 from gyrejax.trajectory import ExecutionStore
@@ -50,12 +51,12 @@ def start_server(checkpoint, port: int, max_model_len: int = MAX_SEQ_LEN, withou
     command, env = server_command(checkpoint, port, max_model_len=max_model_len, max_num_seqs=8)
     command = [arg for arg in command if arg not in without]
     log = open(f"{checkpoint}.server{port}.log", "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = start_server_process(command, env, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, process)
     except RuntimeError as e:
-        process.kill()
+        kill_server_process(process)
         with open(log.name) as f:
             pytest.fail(f"{e}\n{f.read()[-3000:]}")
     return url, process
@@ -71,8 +72,7 @@ def checkpoints(tmp_path_factory):
 def server(checkpoints):
     url, process = start_server(checkpoints[0], free_port())
     yield process, url
-    process.kill()
-    process.wait()
+    kill_server_process(process)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_refuses_bad_requests_and_fails_when_the_server_dies(server):
         )
         while len(engine._streams["d"].output) < 5:
             await asyncio.sleep(0.01)
-        process.kill()  # the host goes away mid-request
+        kill_server_process(process)  # the host goes away mid-request
         with pytest.raises(EngineError):
             await future
         with pytest.raises(EngineError):
@@ -211,8 +211,7 @@ def test_rl_runtime_rolls_out_on_an_external_vllm_server(tmp_path):
         ).run()
         label = run(_weight_label(url))
     finally:
-        process.kill()
-        process.wait()
+        kill_server_process(process)
     assert summary["steps"] == 2 and label == "2"  # the last publication reached it
     calls = [call for e in ExecutionStore(workdir / "executions") for call in e.calls]
     on_vllm = [call for call in calls if call.engines == ("vllm0",)]
@@ -246,8 +245,7 @@ def test_connect_names_the_missing_flag(checkpoints, without, message):
         with pytest.raises(ValueError, match=message):
             run(VllmServerEngine.connect(url, name="v"))
     finally:
-        process.kill()
-        process.wait()
+        kill_server_process(process)
 
 
 async def _weight_label(url) -> str:

@@ -35,6 +35,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -65,6 +67,24 @@ def server_command(
     ]  # fmt: skip
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     return command, env
+
+
+def start_server_process(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    """Starts a vLLM server (`server_command`) in its own process group, writing to the
+    open file `log`; `kill_server_process` ends it."""
+    return subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def kill_server_process(process: subprocess.Popen) -> None:
+    """Kills a server from `start_server_process` with its engine-core and worker
+    processes (killing the API server alone leaves them running, memory and all)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group is gone already
+        pass
+    process.wait()
 
 
 @dataclasses.dataclass
