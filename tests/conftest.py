@@ -3,8 +3,11 @@
 Tests that need another device count run in a subprocess.
 """
 
+import json
 import os
 import pathlib
+import subprocess
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -91,3 +94,24 @@ def call_logprobs(model, call):
     logprobs = jax.nn.log_softmax(model(tokens, positions, subtree_end)[0], axis=-1)
     rows = np.arange(len(call.prompt_ids) - 1, len(call.prompt_ids) - 1 + len(call.output_ids))
     return np.asarray(logprobs[rows, call.output_ids])
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    """The records of a `.jsonl` log the runtime writes (metrics, transitions, ...)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_engine_server(name: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A gyrejax engine server named `name` in a subprocess (`python -m
+    gyrejax.serve.engine_server`); returns it and its URL once it serves."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gyrejax.serve.engine_server", "--port=0", f"--name={name}",
+         *flags],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    banner = server.stdout.readline()
+    if not banner.startswith(f"serving engine {name} at "):
+        server.kill()
+        server.wait()
+        raise AssertionError(f"engine server {name}: unexpected banner {banner!r}")
+    return server, banner.split()[-1]

@@ -3,14 +3,12 @@ engines exactly as to local ones (in-process servers on free ports, and a server
 subprocess that is killed or frozen mid-request)."""
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import numpy as np
 import pytest
+from conftest import start_engine_server
 
 from gyrejax.config import ModelConfig
 from gyrejax.model.hf_io import export_hf, load_hf
@@ -106,24 +104,8 @@ def test_proxy_over_http_engines_drains_by_resubmit_and_publishes_weights(model,
 
 @pytest.mark.parametrize("failure", ["killed", "frozen"])
 def test_a_dead_or_frozen_server_is_retried_on_the_other(failure):
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gyrejax.serve.engine_server",
-            "--engine=scripted",
-            "--name=far",
-            "--port=0",
-            "--scripted_delay_s=60",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    server, far_url = start_engine_server("far", "--engine=scripted", "--scripted_delay_s=60")
     try:
-        banner = server.stdout.readline()
-        assert banner.startswith("serving engine far at "), banner
-        far_url = banner.split()[-1]
 
         async def body():
             servers, (near,) = await remote_fleet([ScriptedEngine("near", scripted_answer)])

@@ -13,7 +13,7 @@ import sys
 
 import jax
 import numpy as np
-from conftest import REPO_ROOT, call_logprobs, load_config_file
+from conftest import REPO_ROOT, call_logprobs, load_config_file, read_jsonl
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import CellsConfig, RLConfig
@@ -224,10 +224,6 @@ def test_two_processes_train_like_one(tmp_path):
     assert (tmp_path / "snapshots" / "version_1").is_dir()
     # {0,2}: pull + reduce; {0,2} again after the mid-step join: cached; {0,1,2,3}: both.
     assert follower["compiles_after_precompile"] == 4
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_rl_across_two_processes_through_launch(tmp_path):

@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, load_config_file
+from conftest import REPO_ROOT, load_config_file, read_jsonl, start_engine_server
 from flax import nnx
 
 from gyrejax.cells import split_into_cells
@@ -23,10 +23,6 @@ from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.runtime import PublishedWeights, Runtime
 from gyrejax.trajectory import ExecutionStore
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async"])
@@ -111,17 +107,6 @@ def test_unreachable_external_engine_is_one_clear_error(tmp_path):
     assert runtime.engines  # the cell engines had started, and were shut down again
 
 
-def start_engine_server(*flags):
-    """A gyrejax engine server subprocess; returns it and its URL once it serves."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gyrejax.serve.engine_server", "--port=0", *flags],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )  # fmt: skip
-    banner = server.stdout.readline()
-    assert banner.startswith("serving engine "), banner
-    return server, banner.split()[-1]
-
-
 def two_cells_async(steps: int):
     """smoke on two cells: cell 0 trains, cell 1 rolls out; a publication per step."""
     c = load_config_file("tiny_cpu", "smoke")
@@ -132,7 +117,7 @@ def two_cells_async(steps: int):
 
 
 def test_external_engine_named_like_a_cell_is_one_clear_error(tmp_path):
-    server, url = start_engine_server("--engine=scripted", "--name=cell1")
+    server, url = start_engine_server("cell1", "--engine=scripted")
     try:
         c = two_cells_async(steps=1)
         c.rollout.engine_servers = (url,)
@@ -157,7 +142,7 @@ def test_a_dead_external_engine_is_dropped_and_the_run_goes_on(tmp_path):
     config = from_dict(c)
     start = export_hf(init_model(config.model), tmp_path / "start")
     server, url = start_engine_server(
-        "--engine=jax", f"--hf_dir={start}", "--name=ext",
+        "ext", "--engine=jax", f"--hf_dir={start}",
         f"--max_seq_len={config.rollout.max_seq_len}", f"--max_slots={config.rollout.max_slots}",
     )  # fmt: skip
     workdir = tmp_path / "run"
