@@ -10,7 +10,8 @@ Shared rules every driver applies (they are not choices of a policy):
   * a training step starts whenever the core cell is TRAINING, no step runs, and at least
     B finished groups are waiting; it uses every TRAINING cell, and cells that reach
     TRAINING while it runs join it;
-  * a cell leaving TRAINING waits for the step boundary;
+  * a cell leaving TRAINING waits for the step boundary; it leaves the trainer when its
+    switch is requested, so it never starts a new step while queued behind other switches;
   * after every `mu` training steps the new weights are published to the rollout cells
     (a burst ends), and the burst counters d(t), p(t), f(t) restart;
   * groups are trained in the order they finish.
@@ -121,6 +122,20 @@ class Decision:
     dispatch: int = 0
 
 
+# Where idle cell-time goes: both drivers attribute every idle cell-second to one cause
+# (the simulator's SimResult.idle_s, the runtime's run_summary.json `cell_s`).
+IDLE_CAUSES = (
+    "gate",  # free rollout slots while groups remain but the staleness gate holds dispatch
+    "train_wait",  # trainer cells with no step running (too little data, or an older
+    # group under the gate)
+    "switching",  # cells in a role switch
+    "boundary_wait",  # trainer cells queued to return to rollout, left out of the running
+    # step, waiting for its end (a leaving cell inside the step computes until it ends)
+    "tail",  # any idle after the run's last group was dispatched (the straggler tail)
+    "other",  # free slots while the gate would allow dispatch but the policy holds it
+)
+
+
 Policy = Callable[[View], Decision]
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
 
@@ -189,7 +204,7 @@ def step_groups(
     return chosen
 
 
-def _gate_allowance(view: View) -> int | None:
+def gate_allowance(view: View) -> int | None:
     """Groups the staleness gate still lets be untrained (None: no gate).
 
     Every untrained group carries a rollout version <= the current one, v; with the gate it
@@ -211,7 +226,7 @@ def _undispatched_depth(view: View, lookahead: str = "phi") -> int:
     (phi is not used; without a gate it falls back to "phi").
     """
     untrained = view.groups_in_flight + view.groups_ready
-    gate = _gate_allowance(view)
+    gate = gate_allowance(view)
     if lookahead == "gate" and gate is not None:
         allowed = gate
     else:
@@ -359,7 +374,11 @@ class Elastic:
             return Decision(dispatch=dispatch)
         if view.burst != self._burst_seen:  # a burst boundary: make room for its dispatch
             self._burst_seen = view.burst
-            return self._return_for_burst(view, trainable, dispatch)
+            returns = self._return_for_burst(view, trainable, dispatch)
+            if returns.transitions:
+                return returns
+            # Nothing needs to return: the waterlevel rule applies at once (answering
+            # nothing here would leave a driver that asks only after events stuck).
         # Waterlevel: the next cell in order leaves rollout while the rest still covers w.
         rollout = [c for c in trainable if c.role is Role.ROLLOUT]
         keep = self.min_rollout_cells + int(self._keeps_a_cell(view))
@@ -380,7 +399,7 @@ class Elastic:
             return True
         if view.groups_remaining is not None and view.groups_remaining <= 0:
             return False  # nothing left to dispatch in this run
-        gate = _gate_allowance(view)
+        gate = gate_allowance(view)
         if gate is None:
             return True
         # A finished step frees B groups of room but also one step of the gate: the room

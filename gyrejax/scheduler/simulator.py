@@ -8,11 +8,13 @@ and the policies.py docstring):
   * after every event the policy sees a `View` and its `Decision` is carried out: first
     `dispatch` new groups (in sequence order, so every policy runs the same executions of
     a `Trace`), then the transitions, then a training step starts if it can. The policy is
-    asked again until it asks for nothing new (the runtime re-asks after every event and
-    at least once a second);
+    asked again until it asks for nothing new, and once more after that (the runtime
+    re-asks at least once a second, so a policy whose answer changed by being asked,
+    e.g. at a burst boundary, is heard);
   * a training step starts when the core cell is TRAINING (not switching), no step runs
-    and >= B groups are ready, oldest-finished first; it uses every cell in the trainer;
-    a cell whose rollout -> training switch completes mid-step joins it;
+    and `step_groups` picks B ready groups (the staleness gate S: oldest versions first,
+    waiting for an older group still running rather than breaking S); it uses every cell
+    in the trainer; a cell whose rollout -> training switch completes mid-step joins it;
   * transitions are serial (one at a time, in request order). rollout -> training: the
     cell stops serving when its switch begins (its executions migrate to the other
     rollout cells), takes `to_training_s`, then joins the trainer. training -> rollout:
@@ -23,18 +25,24 @@ and the policies.py docstring):
   * the run ends when `steps` steps are done (unfinished executions are dropped; with
     `groups_remaining` the policies dispatch exactly steps * B groups).
 
-One optional rule is not in the runtime: `max_staleness` S (None: off, the runtime's
-behaviour). With S set, a step at trainer version k must include every untrained group
-dispatched at rollout version <= k - S (it waits until they have finished) and takes
-those first, then fills up to B in finish order; so no group is ever trained more than S
-versions after the weights it was sampled with (`step_groups` in policies.py holds the
-rule so that the runtime can adopt it).
+The gate is never broken silently: a step that trains a group more than S versions after
+its rollout version (possible only when a policy dispatches more than the gate allows)
+is counted in `SimResult.over_stale` and shows in its staleness.
 
 The model (assumptions, stated so that nobody reads more into the figures):
   * an execution needs one rollout slot for `duration` seconds of progress; it progresses
     only while it holds a slot, at the same speed whatever the load of its cell (no
-    batching speed-up or slow-down); durations are lognormal, capped at `timeout_s`
-    (a timed-out execution is still scored and trained, DESIGN.md "Partial credit");
+    batching speed-up or slow-down: the latency-bound regime of agents waiting on tools);
+    durations are lognormal, capped at `timeout_s` (a timed-out execution is still scored
+    and trained, DESIGN.md "Partial credit");
+  * workloads (`SimConfig.workload`): "static", one distribution for the whole run;
+    "drift", the median duration grows `drift_factor`-fold linearly over the groups (as a
+    policy learns to use more turns); "mixed", each group's task comes from one of two
+    families whose median durations differ `mixed_factor`-fold. A group's factor f scales
+    its durations and timeout; its tokens scale as f ** `token_exponent` (1: tokens follow
+    wall time and the rollout/training ratio never changes; below 1: longer executions
+    spend more of their time waiting on tools, so the ratio drifts). Factors are
+    normalised to mean 1;
   * the rollout cells form one pool of slots (`capacity` per serving cell). When a cell
     stops serving, executions that no longer fit are paused, the most recently started
     first, and resume first (migration itself costs nothing: KV copies take seconds,
@@ -44,13 +52,14 @@ The model (assumptions, stated so that nobody reads more into the figures):
     trainer (greedy micro-step claiming: perfect data-parallel scaling); the cross-cell
     reduction, optimizer update and weight publication are free;
   * a cell is busy in proportion to its occupied slots (k of c slots busy: k/c busy) or
-    while it computes a step; switching and waiting cells are idle. Hence utilisation =
-    work / (cells * makespan) = lower bound / makespan, where the lower bound is the total
-    work (rollout slot-seconds / capacity + train cell-seconds) over the cells. With a gate
-    S the critical path can be longer than that: `staleness_bound_s` is a lower bound on
-    the makespan of any policy that respects the gate. The result also splits the idle
-    time (free slots on serving cells, trainer cells with no step running) so that the
-    benchmark can show where a policy loses time.
+    while it computes a step. Hence utilisation = work / (cells * makespan) =
+    `lower_bound_s` / makespan. Every idle cell-second is attributed to one cause
+    (`IDLE_CAUSES`), so busy + idle = cells * makespan exactly.
+
+Bounds: `lower_bound_s` is the work over the cells; `makespan_bound_s` also accounts for
+the staleness gate's critical path and the pipeline fill, and holds for any publication
+cadence, dispatch depth and policy (`staleness_bound_s` is the same chain for one
+cadence only).
 """
 
 from __future__ import annotations
@@ -62,9 +71,19 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from gyrejax.scheduler.policies import CellView, Policy, Role, View, make_policy, step_groups
+from gyrejax.scheduler.policies import (
+    IDLE_CAUSES,
+    CellView,
+    Policy,
+    Role,
+    View,
+    gate_allowance,
+    make_policy,
+    step_groups,
+)
 
 HOUR = 3600.0
+WORKLOADS = ("static", "drift", "mixed")
 
 
 class SimulationError(RuntimeError):
@@ -91,6 +110,18 @@ class SimConfig:
         times a lognormal factor (sigma `tokens_sigma`), scaled to this mean.
       train_s_per_token: cell-seconds of training per token.
       to_training_s, to_rollout_s: switch costs (published: 8.52 s and 3.46 s).
+      executions_hold_slots: an execution holds its slot for its whole duration (agents
+        whose KV stays resident through tool calls); False: slots bound nothing (engines
+        that hold a request only while it generates: `capacity` is then only what the
+        policies see, as in the runtime's View).
+      train_parallel: a step's time is its work over the cells in the trainer (perfect
+        data parallelism); False: the cells share one host (CPU-emulated devices), so a
+        step takes its work whatever the number of cells.
+      step_overhead_s: seconds every step adds (packing, reduction, update).
+      workload: "static", "drift" or "mixed" (module docstring).
+      drift_factor: "drift": the last group's median duration over the first's.
+      mixed_factor: "mixed": the long family's median duration over the short one's.
+      token_exponent: a group's tokens scale as (its workload factor) ** this.
       seed: seed of the trace (durations and tokens).
     """
 
@@ -110,6 +141,13 @@ class SimConfig:
     train_s_per_token: float = 1e-3
     to_training_s: float = 8.5
     to_rollout_s: float = 3.5
+    executions_hold_slots: bool = True
+    train_parallel: bool = True
+    step_overhead_s: float = 0.0
+    workload: str = "static"
+    drift_factor: float = 3.0
+    mixed_factor: float = 4.0
+    token_exponent: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
@@ -125,13 +163,24 @@ class SimConfig:
                 f"sim.max_staleness={self.max_staleness}, expected >= mu - 1 = {self.mu - 1} "
                 "(a burst's last step trains groups mu - 1 versions old)"
             )
-        for name in ("duration_median_s", "timeout_s", "tokens_mean"):
+        positive = ("duration_median_s", "timeout_s", "tokens_mean", "drift_factor", "mixed_factor")
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected > 0")
-        for name in ("duration_sigma", "tokens_sigma", "train_s_per_token", "to_training_s",
-                     "to_rollout_s"):  # fmt: skip
+        costs = (
+            "duration_sigma",
+            "tokens_sigma",
+            "train_s_per_token",
+            "to_training_s",
+            "to_rollout_s",
+            "token_exponent",
+            "step_overhead_s",
+        )
+        for name in costs:
             if getattr(self, name) < 0:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 0")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"sim.workload={self.workload!r}, expected one of {WORKLOADS}")
 
     @classmethod
     def from_dict(cls, values: Mapping) -> SimConfig:
@@ -145,6 +194,10 @@ class SimConfig:
     def replace(self, **changes) -> SimConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def groups(self) -> int:
+        return self.steps * self.groups_per_step
+
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
@@ -154,26 +207,50 @@ class Trace:
       duration_s: float64[groups, group_size], capped at the timeout.
       tokens: float64[groups, group_size].
       timed_out: bool[groups, group_size].
+      factor: float64[groups], the workload factor of each group (1 when static).
     """
 
     duration_s: np.ndarray
     tokens: np.ndarray
     timed_out: np.ndarray
+    factor: np.ndarray | None = None
+    # makespan_bound_s per schedule, so that a sweep over policies computes it once.
+    bounds: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def groups(self) -> int:
         return self.duration_s.shape[0]
 
 
+def workload_factors(config: SimConfig, rng: np.random.Generator) -> np.ndarray:
+    """float64[groups]: each group's duration scale (mean 1), by `config.workload`."""
+    groups = config.groups
+    if config.workload == "drift":
+        factor = 1 + (config.drift_factor - 1) * np.linspace(0.0, 1.0, groups)
+    elif config.workload == "mixed":
+        long = rng.random(groups) < 0.5
+        factor = np.where(long, config.mixed_factor, 1.0)
+    else:
+        factor = np.ones(groups)
+    return factor / factor.mean()
+
+
 def make_trace(config: SimConfig, seed: int | None = None) -> Trace:
-    """Samples steps * B groups of executions (deterministic for a seed)."""
+    """Samples steps * B groups of executions (deterministic for a seed; a static trace is
+    the same as before workloads existed)."""
     rng = np.random.default_rng(config.seed if seed is None else seed)
-    shape = (config.steps * config.groups_per_step, config.group_size)
-    raw = config.duration_median_s * np.exp(config.duration_sigma * rng.standard_normal(shape))
-    duration = np.minimum(raw, config.timeout_s)
-    weight = duration * np.exp(config.tokens_sigma * rng.standard_normal(shape))
+    shape = (config.groups, config.group_size)
+    base = config.duration_median_s * np.exp(config.duration_sigma * rng.standard_normal(shape))
+    noise = np.exp(config.tokens_sigma * rng.standard_normal(shape))
+    factor = workload_factors(config, rng)[:, None]
+    raw = base * factor
+    timeout = config.timeout_s * factor
+    duration = np.minimum(raw, timeout)
+    # Tokens follow the time an execution would take without the workload factor, and the
+    # factor only as factor ** token_exponent.
+    weight = duration / factor * factor**config.token_exponent * noise
     tokens = config.tokens_mean * weight / weight.mean()
-    return Trace(duration, tokens, raw >= config.timeout_s)
+    return Trace(duration, tokens, raw >= timeout, factor[:, 0])
 
 
 def lower_bound_s(config: SimConfig, trace: Trace) -> float:
@@ -183,35 +260,36 @@ def lower_bound_s(config: SimConfig, trace: Trace) -> float:
     return float(work / config.cells)
 
 
-def staleness_bound_s(config: SimConfig, trace: Trace) -> float:
-    """A lower bound on the makespan of any policy under the staleness gate S.
+def _chain(config: SimConfig, trace: Trace, mu: int) -> list[float]:
+    """Lower bounds on when each step can start under the gate, at publication cadence mu.
 
-    `lower_bound_s` ignores time: with a gate, the critical path can be longer than the
-    work. Rollout version v = mu b is published when step mu b - 1 ends (P_b), so step k
-    may train groups of bursts b with mu b <= k and k - mu b <= S only. Hence the steps
+    Rollout version v = mu b is published when step mu b - 1 ends (P_b), so step k may
+    train groups of bursts b with mu b <= k and k - mu b <= S only. Hence the steps
     k' <= k whose every admissible burst is >= b need n = B * (their number) groups that
     were all dispatched at or after P_b, and step k cannot start before P_b + (the n-th
     shortest group duration, a group lasting as long as its longest execution, among the
     groups those can be). Those groups are consecutive in dispatch order (`Trace` order)
-    within a window: at P_b at least B mu b groups were trained (so dispatched before),
-    at most (S + 1) B untrained groups of a version can exist (each must be trained in
-    one of S + 1 steps), so the window starts in [B mu b, B mu b + (S + 1) B] and spans at
-    most (S + 1) B groups per burst it covers. Every group must be trained, so the last
-    step also waits for the groups past the last possible window start. Steps run one at
-    a time and take at least the training of the B groups with the fewest tokens on all
-    cells. The bound is the larger of that chain and `lower_bound_s`; it holds for any
-    policy that respects the gate and dispatches in order (it assumes dispatch at P_b and
-    instant switches, so it is loose).
+    within a window: at P_b exactly mu b steps are done, so at least B mu b groups were
+    dispatched before, and at most (S - mu + 1) B more (untrained groups of burst b - 1
+    must be trained by step mu (b - 1) + S); a burst's groups are trained within S + 1
+    steps, so the window spans at most (S + 1) B groups per burst it covers. Every group
+    must be trained, so the last step also waits for the groups past the last possible
+    window start. Steps run one at a time and take at least the training of the B
+    groups with the fewest tokens on all cells.
+
+    Returns:
+      The start bound of every step, then the end bound of the last one (steps + 1).
     """
-    work = lower_bound_s(config, trace)
-    s_max, mu, b_groups = config.max_staleness, config.mu, config.groups_per_step
-    if s_max is None:
-        return work
+    s_max, b_groups = config.max_staleness, config.groups_per_step
     longest = trace.duration_s.max(axis=1)
     groups = len(longest)
     tokens = np.sort(trace.tokens.sum(axis=1))
     step_min = float(tokens[:b_groups].sum()) * config.train_s_per_token / config.cells
+    if s_max is None:  # any B groups can be the first trained
+        first = float(np.sort(longest)[b_groups - 1])
+        return [first + k * step_min for k in range(config.steps + 1)]
     per_version = (s_max + 1) * b_groups
+    slack = (s_max - mu + 1) * b_groups
 
     def first_burst(k: int) -> int:  # the oldest burst step k may train
         return max(0, -(-(k - s_max) // mu))
@@ -224,15 +302,15 @@ def staleness_bound_s(config: SimConfig, trace: Trace) -> float:
         if key not in cache:
             low = b_groups * mu * burst
             best = np.inf
-            for start in range(low, min(low + per_version, groups) + 1):
-                window = np.sort(longest[start : start + bursts * per_version])
+            for start in range(low, min(low + (slack if burst else 0), groups) + 1):
+                window = longest[start : start + bursts * per_version]
                 if len(window) >= n:
-                    best = min(best, float(window[n - 1]))
+                    best = min(best, float(np.partition(window, n - 1)[n - 1]))
             cache[key] = 0.0 if best == np.inf else best
         return cache[key]
 
     published = [0.0]
-    end = 0.0
+    starts, end = [], 0.0
     for k in range(config.steps):
         start = end
         for burst in range(k // mu + 1):
@@ -240,13 +318,103 @@ def staleness_bound_s(config: SimConfig, trace: Trace) -> float:
             if n:
                 start = max(start, published[burst] + shortest(n, burst, k // mu - burst + 1))
         if k == config.steps - 1:
-            rest = longest[b_groups * mu * (k // mu) + per_version :]
+            rest = longest[b_groups * mu * (k // mu) + slack :]
             if len(rest):
                 start = max(start, published[k // mu] + float(rest.max()))
+        starts.append(start)
         end = start + step_min
         if (k + 1) % mu == 0:
             published.append(end)
-    return max(work, end)
+    return [*starts, end]
+
+
+def staleness_bound_s(config: SimConfig, trace: Trace) -> float:
+    """A lower bound on the makespan of any policy under the gate S at `config.mu` (the
+    critical path of `_chain`, or the work when longer). Valid for that cadence only: a
+    policy publishing more often can beat it; `makespan_bound_s` holds for any cadence.
+    """
+    return max(lower_bound_s(config, trace), _chain(config, trace, config.mu)[-1])
+
+
+def makespan_bound_s(config: SimConfig, trace: Trace) -> float:
+    """A lower bound on the makespan of any policy, at any publication cadence, dispatch
+    depth and split, that respects the gate S and dispatches groups in order.
+
+    Publishing every step (mu = 1) gives every group the newest version it can have, so
+    every deadline is as late as possible: mu = 1 bounds every cadence. The bound is the
+    largest of:
+      * the work over the cells (`lower_bound_s`);
+      * the gate's critical path (`_chain` at mu = 1);
+      * the pipeline fill: no step runs before the first one can start (t1), and before
+        t1 only groups of version 0, at most (S + 1) B of them (all of them without a
+        gate), can roll out, each for at most t1 seconds; every other cell-second of work
+        comes after t1;
+      * the deadline chain (`_deadline_chain`): every group must be trained within S
+        steps of the step whose end let it be dispatched.
+    """
+    c = config
+    key = (c.cells, c.capacity, c.groups_per_step, c.steps, c.max_staleness, c.train_s_per_token)
+    if key not in trace.bounds:
+        trace.bounds[key] = _makespan_bound(c, trace)
+    return trace.bounds[key]
+
+
+def _makespan_bound(config: SimConfig, trace: Trace) -> float:
+    c = config
+    chain = _chain(c, trace, 1)
+    t1 = chain[0]
+    version0 = (
+        trace.duration_s
+        if c.max_staleness is None
+        else (trace.duration_s[: (c.max_staleness + 1) * c.groups_per_step])
+    )
+    rollout_before = min(c.cells * t1, float(np.minimum(version0, t1).sum()) / c.capacity)
+    work = lower_bound_s(c, trace) * c.cells
+    fill = t1 + (work - rollout_before) / c.cells
+    idle_fill = c.cells * t1 - rollout_before
+    return max(work / c.cells, chain[-1], fill, _deadline_chain(c, trace, idle_fill))
+
+
+def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
+    """The deadline chain at mu = 1 (a lower bound on the makespan; 0 without a gate).
+
+    When b steps are done (P_b, the end of step b - 1), b B groups are trained and the
+    untrained groups dispatched so far carry versions <= b - 1, so they must be trained
+    by step b - 1 + S: at most S B of them. So group g, in block j = g // B, is
+    dispatched no sooner than P_{j - S}. At P_{j + 1} at least (j + 1) B groups were
+    dispatched, in order, so block j carries a version <= j and must be trained by step
+    j + S: step k >= j + S starts no sooner than P_{j - S} + the block's longest
+    duration, and the last step waits for every block. Steps follow each other and take
+    at least the training of the B groups with the fewest tokens on all cells; P_b is also
+    no sooner than (the idle forced before the first step + the rollout and training of
+    the b B cheapest groups among the first (b + S) B) / cells.
+    """
+    c = config
+    s_max, b_groups, steps = c.max_staleness, c.groups_per_step, c.steps
+    if s_max is None:
+        return 0.0
+    block_longest = trace.duration_s.max(axis=1).reshape(steps, b_groups).max(axis=1)
+    rollout = trace.duration_s.sum(axis=1) / c.capacity  # cell-seconds per group
+    train = trace.tokens.sum(axis=1) * c.train_s_per_token
+    step_min = float(np.sort(train)[:b_groups].sum()) / c.cells
+    starts: list[float] = []
+
+    def published(b: int) -> float:  # P_b
+        if b <= 0:
+            return 0.0
+        done, known = b * b_groups, min(len(train), (b + s_max) * b_groups)
+        cheapest = np.partition(rollout[:known], done - 1)[:done].sum()
+        cheapest += np.partition(train[:known], done - 1)[:done].sum()
+        return max(starts[b - 1] + step_min, (idle_fill + cheapest) / c.cells)
+
+    for k in range(steps):
+        start = starts[-1] + step_min if starts else 0.0
+        due = range(k - s_max, k - s_max + 1) if k < steps - 1 else range(k - s_max, steps)
+        for j in due:
+            if j >= 0:
+                start = max(start, published(j - s_max) + float(block_longest[j]))
+        starts.append(start)
+    return starts[-1] + step_min
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,35 +425,37 @@ class SimResult:
       makespan_s: time when the last step finished.
       utilisation: busy cell-seconds / (cells * makespan).
       lower_bound_s: total work / cells (`lower_bound_s`).
-      rollout_busy_s, train_busy_s, switching_s: cell-seconds spent on each.
-      rollout_idle_s: cell-seconds of free slots on serving cells (slots / capacity) ...
-      throttled_s: ... the part of it while groups were left to dispatch but none waited
-        (dispatch held back by the depth or the staleness gate).
-      train_idle_s: cell-seconds of cells in the trainer while no step ran (waiting for
-        data, or for an older group under the gate).
+      bound_s: `makespan_bound_s` (any cadence, this gate).
+      rollout_busy_s, train_busy_s: busy cell-seconds of each kind.
+      idle_s: idle cell-seconds by cause (`IDLE_CAUSES`); busy + idle = cells * makespan.
       trained: group seqs in the order they were trained.
       staleness: per trained group (same order), trainer version when trained minus the
         rollout version it was dispatched with.
+      over_stale: groups trained more than S versions after their rollout version.
       step_end_s: when each step finished.
       transitions: number of switches by kind ("to_training", "to_rollout").
       timeline: (time, cell, "rollout" | "training" | "switching") role changes.
+      log: what the runtime logs, for `calibrate.write_run_logs`: per group "dispatched"
+        (seconds); per execution "finished" (seconds; NaN if not finished); "steps"
+        (start, end, tokens, cells at the end, cells at the start) and "switches" (cell,
+        kind, start, end, wait_s).
     """
 
     policy: str
     makespan_s: float
     utilisation: float
     lower_bound_s: float
+    bound_s: float
     rollout_busy_s: float
     train_busy_s: float
-    switching_s: float
-    rollout_idle_s: float
-    throttled_s: float
-    train_idle_s: float
+    idle_s: dict[str, float]
     trained: tuple[int, ...]
     staleness: tuple[int, ...]
+    over_stale: int
     step_end_s: tuple[float, ...]
     transitions: dict[str, int]
     timeline: tuple[tuple[float, int, str], ...]
+    log: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def max_staleness(self) -> int:
@@ -297,14 +467,13 @@ class SimResult:
             "makespan_h": self.makespan_s / HOUR,
             "utilisation": self.utilisation,
             "lower_bound_h": self.lower_bound_s / HOUR,
-            "makespan_over_bound": self.makespan_s / self.lower_bound_s,
+            "bound_h": self.bound_s / HOUR,
+            "makespan_over_bound": self.makespan_s / self.bound_s,
             "staleness_max": self.max_staleness,
             "staleness_mean": float(np.mean(self.staleness)) if self.staleness else 0.0,
+            "over_stale": self.over_stale,
             "transitions": dict(self.transitions),
-            "rollout_idle_cell_h": self.rollout_idle_s / HOUR,
-            "throttled_cell_h": self.throttled_s / HOUR,
-            "train_idle_cell_h": self.train_idle_s / HOUR,
-            "switching_h": self.switching_s / HOUR,
+            "idle_cell_h": {k: v / HOUR for k, v in self.idle_s.items()},
         }
 
 
@@ -322,18 +491,16 @@ class Simulator:
       name: label of the result.
     """
 
-    def __init__(self, config: SimConfig, policy: Policy, trace: Trace | None = None,
-                 name: str = "policy"):  # fmt: skip
+    def __init__(
+        self, config: SimConfig, policy: Policy, trace: Trace | None = None, name: str = "policy"
+    ):
         self.config = config
         self.policy = policy
         self.trace = trace if trace is not None else make_trace(config)
         self.name = name
-        if self.trace.duration_s.shape != (config.steps * config.groups_per_step,
-                                           config.group_size):  # fmt: skip
-            raise ValueError(
-                f"trace shape {self.trace.duration_s.shape}, expected "
-                f"({config.steps * config.groups_per_step}, {config.group_size})"
-            )
+        expected = (config.groups, config.group_size)
+        if self.trace.duration_s.shape != expected:
+            raise ValueError(f"trace shape {self.trace.duration_s.shape}, expected {expected}")
         k, n = config.cells, config.group_size
         self.now = 0.0
         # Cells.
@@ -342,6 +509,7 @@ class Simulator:
         self.serving = [True] * k  # its slots count in the rollout pool
         self.in_trainer = [False] * k
         self.leaving = [False] * k
+        self._cell_views: tuple[CellView, ...] | None = None  # rebuilt when a role changes
         self.pending: collections.deque[tuple[int, Role]] = collections.deque()
         self.current: list | None = None  # [cell, role, phase ("wait"/"switch"), end]
         # Executions: id = seq * N + member.
@@ -359,9 +527,11 @@ class Simulator:
         self.next_seq = 0
         self.group_version: list[int] = []
         self.group_left: list[int] = []
+        self.in_flight_versions: collections.Counter[int] = collections.Counter()
         self.ready: list[int] = []  # finish order
         self.trained: list[int] = []
         self.staleness: list[int] = []
+        self.over_stale = 0
         # Training.
         self.version = 0
         self.rollout_version = 0
@@ -375,11 +545,13 @@ class Simulator:
         # Accounting.
         self.rollout_busy = 0.0
         self.train_busy = 0.0
-        self.switching_time = 0.0
-        self.rollout_idle = 0.0
-        self.throttled = 0.0
-        self.train_idle = 0.0
+        self.idle = dict.fromkeys(IDLE_CAUSES, 0.0)
+        self.gate_closed = False  # the gate allowed no dispatch at the last decision
         self.transition_counts = collections.Counter()
+        self.dispatched_at: list[float] = []
+        self.finished_at = np.full(total, np.nan)
+        self.step_log: list[tuple[float, float, float, int, int]] = []
+        self.switch_log: list[tuple[int, str, float, float, float]] = []
         self.timeline = [(0.0, c, Role.ROLLOUT.value) for c in range(k)]
 
     # --- the run ----------------------------------------------------------------------------
@@ -412,23 +584,31 @@ class Simulator:
             makespan_s=makespan,
             utilisation=work / (c.cells * makespan) if makespan > 0 else 0.0,
             lower_bound_s=lower_bound_s(c, self.trace),
+            bound_s=makespan_bound_s(c, self.trace),
             rollout_busy_s=self.rollout_busy,
             train_busy_s=self.train_busy,
-            switching_s=self.switching_time,
-            rollout_idle_s=self.rollout_idle,
-            throttled_s=self.throttled,
-            train_idle_s=self.train_idle,
+            idle_s=dict(self.idle),
             trained=tuple(self.trained),
             staleness=tuple(self.staleness),
+            over_stale=self.over_stale,
             step_end_s=tuple(self.step_end),
             transitions=dict(self.transition_counts),
             timeline=tuple(self.timeline),
+            log={
+                "dispatched": self.dispatched_at,
+                "finished": self.finished_at,
+                "steps": self.step_log,
+                "switches": self.switch_log,
+            },
         )
 
     def _decide(self) -> None:
-        """Asks the policy and carries out its decision until nothing new happens."""
-        for _ in range(100):
-            decision = self.policy(self._view())
+        """Asks the policy and carries out its decision until nothing new happens, asking
+        once more after the first empty answer (the runtime's periodic re-ask)."""
+        quiet = 0
+        for _ in range(200):
+            view = self._view()
+            decision = self.policy(view)
             acted = False
             for _ in range(decision.dispatch):
                 acted |= self._dispatch_group()
@@ -436,7 +616,10 @@ class Simulator:
                 acted |= self._request_transition(index, role)
             self._start_transition()
             acted |= self._maybe_start_step()
-            if not acted:
+            quiet = 0 if acted else quiet + 1
+            if quiet == 2:
+                gate = gate_allowance(self._view())
+                self.gate_closed = gate is not None and gate <= 0
                 return
         raise SimulationError(f"policy keeps acting at t={self.now:.1f}: {decision}")
 
@@ -444,11 +627,13 @@ class Simulator:
         c = self.config
         d0, p0, f0 = self.burst_base
         d, p, f = self.totals
+        if self._cell_views is None:
+            self._cell_views = tuple(
+                CellView(i, self.roles[i], self.switching[i], c.capacity) for i in range(c.cells)
+            )
         return View(
             now=self.now,
-            cells=tuple(
-                CellView(i, self.roles[i], self.switching[i], c.capacity) for i in range(c.cells)
-            ),
+            cells=self._cell_views,
             group_size=c.group_size,
             groups_per_step=c.groups_per_step,
             steps_per_burst=c.mu,
@@ -458,7 +643,7 @@ class Simulator:
             started=p - p0,
             finished=f - f0,
             executions_in_flight=d - f,
-            groups_in_flight=sum(1 for left in self.group_left if left > 0),
+            groups_in_flight=sum(self.in_flight_versions.values()),
             groups_ready=len(self.ready),
             steps_in_burst=self.steps_in_burst,
             step_running=self.step_running,
@@ -471,7 +656,7 @@ class Simulator:
     def _next_event(self) -> tuple[float, str | None]:
         best, kind = np.inf, None
         if self.step_running and self.step_cells:
-            when = self.now + self.step_work / len(self.step_cells)
+            when = self.now + self.step_work / self._train_rate()
             best, kind = when, "step"
         if self.current is not None and self.current[2] == "switch" and self.current[3] < best:
             best, kind = self.current[3], "transition"
@@ -482,26 +667,38 @@ class Simulator:
         return best, kind
 
     def _advance(self, when: float) -> None:
+        """Moves the clock, attributing every cell-second to work or to an idle cause."""
         dt = when - self.now
         if dt < 0:
             raise SimulationError(f"time runs backwards: {self.now} -> {when}")
-        self.rollout_busy += dt * len(self.running) / self.config.capacity
-        free = (self._capacity() - len(self.running)) / self.config.capacity
-        self.rollout_idle += dt * free
-        if not self.waiting and self.next_seq < self.trace.groups:
-            self.throttled += dt * free
-        if not self.step_running:
-            self.train_idle += dt * sum(self.in_trainer)
+        c = self.config
+        busy_slots = len(self.running) / c.capacity
+        free_slots = sum(self.serving) - busy_slots  # in cells
+        training = len(self.step_cells) if self.step_running else 0
+        trainer_idle = sum(self.in_trainer) - training
+        # Trainer cells left out of the running step wait for its end to switch.
+        held = trainer_idle if self.step_running else 0
+        trainer_idle -= held
+        switching = int(self.current is not None and self.current[2] == "switch")
+        self.rollout_busy += dt * busy_slots
+        self.train_busy += dt * training
+        self.idle["switching"] += dt * switching
+        self.idle["boundary_wait"] += dt * held
+        if self.next_seq >= self.trace.groups:
+            self.idle["tail"] += dt * (free_slots + trainer_idle)
+        else:
+            cause = "gate" if self.gate_closed else "other"
+            self.idle[cause] += dt * free_slots
+            self.idle["train_wait"] += dt * trainer_idle
         if self.step_running:
-            self.train_busy += dt * len(self.step_cells)
-            self.step_work = max(0.0, self.step_work - dt * len(self.step_cells))
-        if self.current is not None and self.current[2] == "switch":
-            self.switching_time += dt
+            self.step_work = max(0.0, self.step_work - dt * self._train_rate())
         self.now = when
 
     # --- rollout ------------------------------------------------------------------------------
 
     def _capacity(self) -> int:
+        if not self.config.executions_hold_slots and any(self.serving):
+            return len(self.remaining)  # every execution runs while a cell serves
         return self.config.capacity * sum(self.serving)
 
     def _dispatch_group(self) -> bool:
@@ -511,7 +708,9 @@ class Simulator:
         self.next_seq += 1
         n = self.config.group_size
         self.group_version.append(self.rollout_version)
+        self.dispatched_at.append(self.now)
         self.group_left.append(n)
+        self.in_flight_versions[self.rollout_version] += 1
         for member in range(n):
             e = seq * n + member
             self.state[e] = _WAITING
@@ -547,11 +746,15 @@ class Simulator:
         _, e, _ = heapq.heappop(self.heap)
         self.state[e] = _DONE
         self.remaining[e] = 0.0
+        self.finished_at[e] = self.now
         self.running.remove(e)
         self.totals[2] += 1
         seq = e // self.config.group_size
         self.group_left[seq] -= 1
         if self.group_left[seq] == 0:
+            self.in_flight_versions[self.group_version[seq]] -= 1
+            if not self.in_flight_versions[self.group_version[seq]]:
+                del self.in_flight_versions[self.group_version[seq]]
             self.ready.append(seq)
         self._fill_slots()
 
@@ -562,6 +765,7 @@ class Simulator:
             return False
         self.switching[index] = True
         self.roles[index] = role  # the View shows the target role while switching
+        self._cell_views = None
         self.pending.append((index, role))
         return True
 
@@ -570,6 +774,7 @@ class Simulator:
             return
         cell, role = self.pending.popleft()
         self.timeline.append((self.now, cell, "switching"))
+        self._switch_start = self.now
         if role is Role.TRAINING:
             self.serving[cell] = False  # drain: its executions move to the other cells
             self._shrink_slots()
@@ -588,9 +793,16 @@ class Simulator:
         self.step_cells.discard(cell)
 
     def _finish_transition(self) -> None:
-        cell, role, _, _ = self.current
+        cell, role, _, end = self.current
+        wait = (
+            end
+            - self._switch_start
+            - (self.config.to_training_s if role is Role.TRAINING else self.config.to_rollout_s)
+        )
+        self.switch_log.append((cell, f"to_{role.value}", self._switch_start, self.now, wait))
         self.current = None
         self.switching[cell] = False
+        self._cell_views = None
         self.timeline.append((self.now, cell, role.value))
         self.transition_counts[f"to_{role.value}"] += 1
         if role is Role.TRAINING:
@@ -610,10 +822,9 @@ class Simulator:
             return False
         if len(self.ready) < c.groups_per_step:
             return False
-        untrained = [s for s in range(self.next_seq) if self.group_left[s] > 0]
         chosen = step_groups(
             [self.group_version[s] for s in self.ready],
-            [self.group_version[s] for s in untrained],
+            list(self.in_flight_versions.elements()),
             self.version,
             c.groups_per_step,
             c.max_staleness,
@@ -624,12 +835,26 @@ class Simulator:
         for i in sorted(chosen, reverse=True):
             del self.ready[i]
         for seq in groups:
+            staleness = self.version - self.group_version[seq]
             self.trained.append(seq)
-            self.staleness.append(self.version - self.group_version[seq])
-        self.step_work = float(self.trace.tokens[groups].sum()) * c.train_s_per_token
-        self.step_cells = {i for i in range(c.cells) if self.in_trainer[i]}
+            self.staleness.append(staleness)
+            self.over_stale += c.max_staleness is not None and staleness > c.max_staleness
+        # A cell already queued to return to rollout does not start a new step: it leaves
+        # at this boundary instead of holding its switch (and the queue) for a whole step.
+        returning = {i for i, role in self.pending if role is Role.ROLLOUT}
+        self.step_cells = {i for i in range(c.cells) if self.in_trainer[i] and i not in returning}
         self.step_running = True
+        self._step_start = (self.now, float(self.trace.tokens[groups].sum()), len(self.step_cells))
+        # Work in cell-seconds; the overhead is seconds at the step's starting rate.
+        self.step_work = float(self.trace.tokens[groups].sum()) * c.train_s_per_token
+        self.step_work += c.step_overhead_s * self._train_rate()
         return True
+
+    def _train_rate(self) -> float:
+        """Cell-seconds of step work done per second (module docstring)."""
+        if not self.step_cells:
+            return 1.0
+        return float(len(self.step_cells)) if self.config.train_parallel else 1.0
 
     def _finish_step(self) -> None:
         c = self.config
@@ -638,6 +863,8 @@ class Simulator:
         self.version += 1
         self.steps_in_burst += 1
         self.step_end.append(self.now)
+        start, tokens, cells = self._step_start
+        self.step_log.append((start, self.now, tokens, len(self.step_cells), cells))
         for cell in list(self.step_cells):
             if self.leaving[cell]:
                 self._leave_trainer(cell)
