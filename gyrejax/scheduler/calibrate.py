@@ -1,0 +1,286 @@
+"""Calibrate the simulator on a real run's logs, and predict real runs with it.
+
+`fit_run(workdir)` reads what the runtime writes (`run_summary.json` with the run's
+schedule, `executions.jsonl`, `metrics.jsonl`, `transitions.jsonl`, `dispatch.jsonl`) and
+fits the simulator's model (gyrejax/scheduler/simulator.py):
+  * execution durations: a lognormal, median and sigma from the quartiles of the log
+    durations (robust to the timeout cutting the upper tail), capped at the run's timeout;
+  * training: tokens per execution from the steps' trained tokens, and a step's time as a
+    fixed overhead plus seconds per token, either over the cells in the step (data
+    parallel) or not (cells sharing one host, as CPU-emulated devices do): the better
+    least-squares fit of the two decides `train_parallel`;
+  * switch costs: mean seconds of rollout -> training and of training -> rollout (without
+    the wait for the step boundary, which the simulator plays out itself);
+  * the time before the first dispatch (engines starting) and after the last step
+    (checkpoint, plots), added to a predicted makespan.
+`predict(fit, run)` simulates another run's policy and schedule under the fitted model and
+returns its predicted wall time. `write_run_logs` writes a simulated run's logs in the
+runtime's format, so a test can check that fitting recovers known parameters.
+
+Pure Python/NumPy, like the simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from gyrejax.scheduler.simulator import SimConfig, SimResult, simulate
+
+IQR_PER_SIGMA = 1.3489795  # the interquartile range of a standard normal
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The simulator's model fitted to a run.
+
+    Attributes:
+      sim: a SimConfig with the fitted durations, tokens, training and switch costs (its
+        schedule fields are the calibration run's; `predict` replaces them).
+      startup_s: seconds from the runtime's start to the first dispatch.
+      shutdown_s: seconds from the last step's end to the end of the run.
+      train_residual_s: RMS error of the step-time fit.
+      train_parallel_identified: False when every step ran on as many cells, so the run
+        cannot tell data-parallel from shared-host training (shared host assumed).
+    """
+
+    sim: SimConfig
+    startup_s: float
+    shutdown_s: float
+    train_residual_s: float
+    train_parallel_identified: bool = True
+
+    def summary(self) -> dict:
+        s = self.sim
+        return {
+            "duration_median_s": s.duration_median_s,
+            "duration_sigma": s.duration_sigma,
+            "timeout_s": s.timeout_s,
+            "tokens_mean": s.tokens_mean,
+            "train_s_per_token": s.train_s_per_token,
+            "step_overhead_s": s.step_overhead_s,
+            "train_parallel": s.train_parallel,
+            "train_residual_s": self.train_residual_s,
+            "train_parallel_identified": self.train_parallel_identified,
+            "to_training_s": s.to_training_s,
+            "to_rollout_s": s.to_rollout_s,
+            "startup_s": self.startup_s,
+            "shutdown_s": self.shutdown_s,
+        }
+
+
+def _jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log; a torn last line (a killed run) is left out."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def read_run(workdir: Path) -> dict:
+    """What a finished run did (from `run_summary.json` and its logs): wall time, steps,
+    utilisation, idle shares by cause, rewards, switches and its schedule."""
+    workdir = Path(workdir)
+    summary = json.loads((workdir / "run_summary.json").read_text())
+    cell_s = summary.get("cell_s") or {}
+    total = sum(cell_s.values()) or 1.0
+    return {
+        "workdir": str(workdir),
+        "wall_s": summary["wall_s"],
+        "steps": summary["steps"],
+        "utilisation": summary.get("utilisation") or 0.0,
+        "idle_share": {k: v / total for k, v in cell_s.items() if k != "busy"},
+        "reward_first": summary.get("reward_first") or 0.0,
+        "reward_last": summary.get("reward_last") or 0.0,
+        "reward_by_tenth": summary.get("reward_by_tenth") or [],
+        "switches": sum(
+            (summary.get("transitions") or {}).get(k, 0) for k in ("to_training", "to_rollout")
+        ),
+        "schedule": summary["schedule"],
+        "over_stale": summary.get("over_stale", 0),
+    }
+
+
+def _lognormal(values: np.ndarray) -> tuple[float, float]:
+    """(median, sigma) of a lognormal from its quartiles."""
+    q25, q50, q75 = np.quantile(np.log(np.maximum(values, 1e-9)), [0.25, 0.5, 0.75])
+    return float(np.exp(q50)), float((q75 - q25) / IQR_PER_SIGMA)
+
+
+def _fit_steps(steps: list[dict]) -> tuple[float, float, bool | None, float]:
+    """(seconds per token, overhead s, parallel, RMS residual s) of step_s = overhead +
+    tokens * s_per_token (/ cells when parallel), the better of the two fits.
+
+    Steps that cells joined midway run at more than one width, so they are left out when
+    enough others remain. `parallel` is None when every step ran on the same number of
+    cells: the data cannot tell the two apart (the fit is then the shared-host one).
+    """
+    steady = [s for s in steps if not s.get("joins")]
+    if len(steady) >= max(3, len(steps) // 4):
+        steps = steady
+    tokens = np.array([s["tokens"] for s in steps], dtype=float)
+    cells = np.array([len(s["cells"]) for s in steps], dtype=float)
+    seconds = np.array([s["step_s"] for s in steps], dtype=float)
+    best = None
+    for parallel in (False, True):  # on a tie (one width), the shared host
+        x = tokens / cells if parallel else tokens
+        design = np.stack([x, np.ones_like(x)], axis=1)
+        (per_token, overhead), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+        per_token, overhead = max(float(per_token), 0.0), max(float(overhead), 0.0)
+        residual = float(np.sqrt(np.mean((overhead + per_token * x - seconds) ** 2)))
+        if best is None or residual < best[3] - 1e-12:
+            best = (per_token, overhead, parallel, residual)
+    if len(set(cells)) == 1:
+        return (*best[:2], None, best[3])
+    return best
+
+
+def fit_run(workdir: Path) -> Fit:
+    """Fits the simulator's model to the run in `workdir` (module docstring)."""
+    workdir = Path(workdir)
+    run = read_run(workdir)
+    schedule = run["schedule"]
+    executions = _jsonl(workdir / "executions.jsonl")
+    steps = [s for s in _jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
+    if not executions or not steps:
+        raise ValueError(f"{workdir}: no executions.jsonl or metrics.jsonl to fit")
+    durations = np.array([e["finished_s"] - e["started_s"] for e in executions])
+    median, sigma = _lognormal(durations)
+    per_token, overhead, parallel, residual = _fit_steps(steps)
+    per_execution = schedule["group_size"] * schedule["groups_per_step"]
+    tokens_mean = float(np.mean([s["tokens"] for s in steps])) / per_execution
+    switches = _jsonl(workdir / "transitions.jsonl")
+    to_training = [t["total_s"] for t in switches if t["kind"] == "to_training"]
+    to_rollout = [
+        t["total_s"] - t.get("wait_boundary_s", 0.0) for t in switches if t["kind"] == "to_rollout"
+    ]
+    dispatched = _jsonl(workdir / "dispatch.jsonl")
+    startup = min((d["time"] for d in dispatched), default=0.0)
+    shutdown = max(0.0, run["wall_s"] - max(s["time_s"] for s in steps))
+    sim = _schedule_config(schedule).replace(
+        duration_median_s=median,
+        duration_sigma=sigma,
+        timeout_s=float(schedule["timeout_s"]),
+        tokens_mean=max(tokens_mean, 1e-9),
+        tokens_sigma=0.0,
+        train_s_per_token=per_token,
+        step_overhead_s=overhead,
+        train_parallel=bool(parallel),
+        to_training_s=float(np.mean(to_training)) if to_training else 0.0,
+        to_rollout_s=float(np.mean(to_rollout)) if to_rollout else 0.0,
+        executions_hold_slots=False,
+    )
+    return Fit(sim, startup, shutdown, residual, parallel is not None)
+
+
+SCHEDULE_FIELDS = (
+    "cells",
+    "capacity",
+    "group_size",
+    "groups_per_step",
+    "steps",
+    "mu",
+    "phi",
+    "max_staleness",
+)
+
+
+def _schedule_config(schedule: dict) -> SimConfig:
+    """A SimConfig with a run's schedule (the model fields at their defaults)."""
+    return SimConfig(**{k: schedule[k] for k in SCHEDULE_FIELDS})
+
+
+def predict(fit: Fit, run: dict, seeds: tuple[int, ...] = (0, 1, 2, 3, 4)) -> float:
+    """Predicted wall time (s) of `run` (a `read_run` result: its policy and schedule)
+    under the fitted model: startup + the mean simulated makespan over `seeds` + shutdown."""
+    schedule = run["schedule"]
+    sim = fit.sim.replace(**{k: schedule[k] for k in SCHEDULE_FIELDS})
+    options = {}
+    if schedule["policy"] == "async":
+        options["training_cells"] = schedule["async_training_cells"]
+    makespans = [
+        simulate(sim.replace(seed=s), schedule["policy"], **options).makespan_s for s in seeds
+    ]
+    return fit.startup_s + float(np.mean(makespans)) + fit.shutdown_s
+
+
+def write_run_logs(
+    sim: SimConfig, result: SimResult, policy: str, workdir: Path, startup_s: float = 0.0
+) -> None:
+    """Writes a simulated run's logs in the runtime's format (`fit_run` reads them).
+
+    Times are shifted by `startup_s` (the simulated engines start that late)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = result.log
+    n = sim.group_size
+    with open(workdir / "dispatch.jsonl", "w") as f:
+        for seq, when in enumerate(log["dispatched"]):
+            f.write(json.dumps({"group": f"g{seq}", "seq": seq, "time": startup_s + when}) + "\n")
+    with open(workdir / "executions.jsonl", "w") as f:
+        for e, finished in enumerate(log["finished"]):
+            if np.isnan(finished):
+                continue
+            started = log["dispatched"][e // n]
+            f.write(
+                json.dumps(
+                    {
+                        "execution": f"g{e // n}/{e % n}",
+                        "group": f"g{e // n}",
+                        "started_s": startup_s + started,
+                        "finished_s": startup_s + float(finished),
+                    }
+                )
+                + "\n"
+            )
+    with open(workdir / "metrics.jsonl", "w") as f:
+        for step, (start, end, tokens, cells, at_start) in enumerate(log["steps"], start=1):
+            joins = [{"cell": i} for i in range(cells - at_start)]  # joined mid-step
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "time_s": startup_s + end,
+                        "step_s": end - start,
+                        "tokens": tokens,
+                        "cells": list(range(cells)),
+                        "joins": joins,
+                    }
+                )
+                + "\n"
+            )
+    with open(workdir / "transitions.jsonl", "w") as f:
+        for cell, kind, start, end, wait in log["switches"]:
+            record = {"time_s": startup_s + end, "cell": cell, "kind": kind, "total_s": end - start}
+            if kind == "to_rollout":
+                record["wait_boundary_s"] = wait
+            f.write(json.dumps(record) + "\n")
+    schedule = {
+        "policy": policy,
+        "cells": sim.cells,
+        "capacity": sim.capacity,
+        "group_size": sim.group_size,
+        "groups_per_step": sim.groups_per_step,
+        "steps": sim.steps,
+        "mu": sim.mu,
+        "phi": sim.phi,
+        "max_staleness": sim.max_staleness,
+        "async_training_cells": 1,
+        "timeout_s": sim.timeout_s,
+    }
+    summary = {
+        "wall_s": startup_s + result.makespan_s,
+        "steps": sim.steps,
+        "utilisation": result.utilisation,
+        "transitions": result.transitions,
+        "schedule": schedule,
+    }
+    (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
