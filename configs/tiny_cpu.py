@@ -119,6 +119,10 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.harness.max_observation_tokens = 128
     c.harness.max_retries = 1
     c.harness.eval_retry_budget = 3
+    # Wall time of each tool call (lognormal; 0: none). The latency-bound regime of
+    # benchmarks/schedule_bench.py --real sets a median of 2 s.
+    c.harness.tool_latency_median_s = 0.0
+    c.harness.tool_latency_sigma = 0.0
 
     # Supervised warm start on demonstrations.
     c.warmup = config_dict.ConfigDict()

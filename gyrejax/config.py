@@ -290,6 +290,10 @@ class HarnessConfig:
     max_observation_tokens: int = 256  # tool output beyond this is cut
     max_retries: int = 2  # re-asks of the same context after a malformed action
     eval_retry_budget: int = 3  # evaluation attempts before `eval_failed`
+    # Wall time of each tool call, as real tools (builds, test suites) take it: a seeded
+    # lognormal with this median and sigma, waited without using a CPU. 0: no wait.
+    tool_latency_median_s: float = 0.0
+    tool_latency_sigma: float = 0.0
 
     def __post_init__(self):
         _one_of("harness", self, "environment", ENVIRONMENTS)
@@ -307,6 +311,10 @@ class HarnessConfig:
         _non_negative("harness", self, "max_retries", "task_pool")
         if not self.timeout_s > 0:
             _fail("harness.timeout_s", self.timeout_s, "expected a positive number")
+        for name in ("tool_latency_median_s", "tool_latency_sigma"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                _fail(f"harness.{name}", value, "expected a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

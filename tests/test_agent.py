@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -176,3 +177,27 @@ def test_a_group_runs_concurrently_and_counts(tmp_path):
     rewards = [e.reward for e in executions]  # even ids wrote one file, odd ids two
     assert rewards[0] == rewards[2] < rewards[1] == rewards[3]
     assert (counters.dispatched, counters.started, counters.finished) == (4, 4, 4)
+
+
+def test_tool_latency_waits_without_cpu_and_repeats_per_execution(tmp_path):
+    # Two writes then done: two tool calls, each waiting a seeded lognormal time.
+    task, writes = two_file_task()
+    config = dataclasses.replace(CONFIG, tool_latency_median_s=0.3, tool_latency_sigma=0.5)
+    wall, cpu = time.perf_counter(), time.process_time()
+    execution, _ = run_one(tmp_path, task, {"x": {"main": [*writes[:2], "done"]}}, config=config)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    harness = Harness(Proxy([scripted_engine({})]), config, tmp_path / "h")
+    waits = [harness._tool_latency_s(_run_state("x", calls)) for calls in (1, 2)]
+    assert execution.status == "finished" and len(execution.calls) == 3
+    assert wall >= sum(waits) and wall - cpu >= 0.8 * sum(waits)  # waited, not computed
+    # Seeded: the same execution and call wait the same, another execution otherwise.
+    assert waits == [harness._tool_latency_s(_run_state("x", c)) for c in (1, 2)]
+    assert waits[0] != harness._tool_latency_s(_run_state("y", 1))
+    off = Harness(Proxy([scripted_engine({})]), CONFIG, tmp_path / "o")
+    assert off._tool_latency_s(_run_state("x", 1)) == 0.0
+
+
+def _run_state(execution_id: str, calls: int):
+    from gyrejax.harness.agent import _Run
+
+    return _Run(execution_id, task=None, workspace=None, seed=0, calls=calls)

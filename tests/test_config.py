@@ -62,6 +62,14 @@ def test_values_are_coerced_to_field_types():
         ),
         ({"harness": {"task_pool": -1}}, r"config\.harness\.task_pool=-1"),
         (
+            {"harness": {"tool_latency_median_s": -1.0}},
+            r"config\.harness\.tool_latency_median_s=-1\.0",
+        ),
+        (
+            {"harness": {"tool_latency_sigma": float("inf")}},
+            r"config\.harness\.tool_latency_sigma=inf",
+        ),
+        (
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
         ),

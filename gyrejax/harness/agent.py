@@ -207,6 +207,7 @@ class Harness:
 
     async def _tool(self, run: _Run, action) -> str:
         """Runs a workspace or environment tool; any exception becomes an observation."""
+        await asyncio.sleep(self._tool_latency_s(run))
         ws = run.workspace
         try:
             if action.kind == "write":
@@ -221,6 +222,15 @@ class Harness:
         except Exception as e:  # a tool failure is the agent's observation, not a crash
             logging.warning("tool %s failed in %s: %r", action.kind, run.execution_id, e)
             return f"error: tool {action.kind} failed: {type(e).__name__}: {e}"
+
+    def _tool_latency_s(self, run: _Run) -> float:
+        """The modelled wall time of this tool call (`harness.tool_latency_*`), seeded by
+        the execution and its call count, so a run's latencies repeat across policies."""
+        median, sigma = self.config.tool_latency_median_s, self.config.tool_latency_sigma
+        if median <= 0:
+            return 0.0
+        key = zlib.crc32(run.execution_id.encode()) ^ (run.seed * 7919 + run.calls)
+        return float(median * np.exp(sigma * np.random.default_rng(key).standard_normal()))
 
     def _clip(self, text: str) -> str:
         limit = self.config.max_observation_tokens - 2

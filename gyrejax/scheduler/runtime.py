@@ -57,7 +57,15 @@ from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import EngineError
 from gyrejax.scheduler import plots
-from gyrejax.scheduler.policies import CellView, Role, View, make_policy, step_groups
+from gyrejax.scheduler.policies import (
+    IDLE_CAUSES,
+    CellView,
+    Role,
+    View,
+    gate_allowance,
+    make_policy,
+    step_groups,
+)
 from gyrejax.serve.http_engine import HttpEngine
 from gyrejax.serve.vllm_server_engine import VllmServerEngine
 from gyrejax.train.checkpoint import TrainCheckpointer
@@ -148,6 +156,13 @@ class Runtime:
         self._weight_pulls = 0  # engines copying the trainer's weights right now
         self.timeline: list[tuple[float, int, str]] = []
         self.busy_samples: list[float] = []
+        # Cell-seconds by state ("busy" and the simulator's IDLE_CAUSES), sampled by
+        # `_monitor`, for the run and since the last step.
+        self.cell_time = dict.fromkeys(("busy", *IDLE_CAUSES), 0.0)
+        self._cell_time_at_step = dict(self.cell_time)
+        self._phase: dict[int, str] = {}  # cell -> "queued" | "wait_boundary" | "switch"
+        self._gate_closed = False
+        self.over_stale = 0  # groups trained more than max_staleness versions late
         self._transitions: asyncio.Queue = asyncio.Queue()
         self._changed: asyncio.Event | None = None
         self._start = time.monotonic()
@@ -180,7 +195,10 @@ class Runtime:
             self._spawn(self._monitor())
             self._resume_unfinished_groups()
             while self.trainer.step < self.config.train.steps:
-                decision = self.policy(self._view())
+                view = self._view()
+                decision = self.policy(view)
+                gate = gate_allowance(view)
+                self._gate_closed = gate is not None and gate <= decision.dispatch
                 for _ in range(decision.dispatch):
                     self._dispatch_group()
                 for index, role in decision.transitions:
@@ -327,11 +345,16 @@ class Runtime:
         async def one(i: int) -> None:
             execution_id = f"{group.group_id}/{i}"
             seed = group.seq * 1000 + i
+            started = self._now()
             execution = await self.harness.run_execution(
                 group.task, execution_id, group.group_id, seed
             )
             self.store.put(execution, overwrite=True)  # persisted as soon as it ends
             group.executions[execution_id] = execution
+            with open(self.workdir / "executions.jsonl", "a") as f:  # for calibration
+                f.write(json.dumps({"execution": execution_id, "group": group.group_id,
+                                    "started_s": started, "finished_s": self._now(),
+                                    "status": execution.status}) + "\n")  # fmt: skip
             self._notify()
 
         await asyncio.gather(*(one(i) for i in members))
@@ -363,6 +386,12 @@ class Runtime:
         group_ids = [ready[i] for i in chosen]
         for g in group_ids:
             self.ready.remove(g)
+        gate = self.config.scheduler.max_staleness
+        late = [g for g in group_ids if gate is not None
+                and self.trainer.version - self.groups[g].version > gate]  # fmt: skip
+        if late:  # never silent: step_groups only does this when nothing better exists
+            self.over_stale += len(late)
+            logging.warning("groups %s are trained more than %d versions late", late, gate)
         self.step_task = self._spawn(self._train_step(group_ids))
 
     async def _train_step(self, group_ids: list[str]) -> None:
@@ -449,7 +478,10 @@ class Runtime:
             "utilisation": float(np.mean(recent)) if recent else None,
             "joins": [dataclasses.asdict(j) for j in report.joins],
             "leaves": [dataclasses.asdict(r) for r in report.released],
+            "cell_s": {k: v - self._cell_time_at_step[k] for k, v in self.cell_time.items()},
+            "over_stale": self.over_stale,
         }
+        self._cell_time_at_step = dict(self.cell_time)
         with open(self.workdir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         logging.info(
@@ -466,6 +498,12 @@ class Runtime:
             return
         self.switching[index] = True
         self.roles[index] = role  # the View shows the target role while switching
+        self._phase[index] = "queued"
+        cell = self.cells[index]
+        if role is Role.ROLLOUT and not cell.is_core:
+            # Released now, not when the (serial) worker reaches it: a cell queued to return
+            # must not start a new step and hold its switch for a whole step.
+            self.trainer.release(cell)
         self._transitions.put_nowait((index, role, self.burst))  # the burst that decided it
 
     async def _transition_worker(self) -> None:
@@ -474,11 +512,13 @@ class Runtime:
             start = time.perf_counter()
             cell = self.cells[index]
             self.timeline.append((self._now(), index, "switching"))
+            self._phase[index] = "switch" if role is Role.TRAINING else "wait_boundary"
             if role is Role.TRAINING:
                 phases = await self._to_training(cell)
             else:
                 phases = await self._to_rollout(cell)
             self.switching[index] = False
+            self._phase.pop(index, None)
             self.timeline.append((self._now(), index, role.value))
             phases["total_s"] = time.perf_counter() - start
             self._log_transition(index, f"to_{role.value}", phases, burst)
@@ -497,13 +537,13 @@ class Runtime:
                 "resubmits": report.resubmits, "free_s": t2 - t1}  # fmt: skip
 
     async def _to_rollout(self, cell: Cell) -> dict:
+        # Released when requested (`_request_transition`); it leaves at the step boundary.
         t0 = time.perf_counter()
-        if not cell.is_core:
-            self.trainer.release(cell)  # takes effect at the step boundary
         # Wait for the step to end, update included: the update donates the weights'
         # buffers, so they are copied only while no step runs (and none may start).
         while self.step_task is not None:
             await asyncio.sleep(0.01)
+        self._phase[cell.index] = "switch"
         t1 = time.perf_counter()
         engine = self.engines[cell.index]
         self._weight_pulls += 1
@@ -529,21 +569,17 @@ class Runtime:
     # --- monitoring, checkpoints, resume -----------------------------------------------------
 
     async def _monitor(self) -> None:
-        """Samples cell utilisation and prints a progress line now and then."""
+        """Samples what every cell does (busy, or idle by cause) and prints a progress line
+        now and then."""
         last_print = 0.0
+        interval = 0.25
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(interval)
             in_flight = self.proxy.counters().in_flight
-            training = {c.index for c in self.trainer.training}
-            busy = []
-            for cell in self.cells:
-                if self.switching[cell.index]:
-                    busy.append(0.0)
-                elif self.roles[cell.index] is Role.ROLLOUT:
-                    busy.append(float(in_flight.get(f"cell{cell.index}", 0) > 0))
-                else:
-                    busy.append(float(self.step_task is not None and cell.index in training))
-            self.busy_samples.append(float(np.mean(busy)))
+            states = [self._cell_state(c, in_flight) for c in self.cells]
+            for state in states:
+                self.cell_time[state] += interval
+            self.busy_samples.append(states.count("busy") / len(states))
             if self._now() - last_print >= self.config.scheduler.progress_every_s:
                 last_print = self._now()
                 roles = "".join(
@@ -555,6 +591,35 @@ class Runtime:
                     "running", self.trainer.step, self.config.train.steps, self.burst, roles,
                     len(self.ready), sum(in_flight.values()),
                 )  # fmt: skip
+
+    def _cell_state(self, cell: Cell, in_flight: dict[str, int]) -> str:
+        """ "busy" or the idle cause (the simulator's IDLE_CAUSES) of one cell right now.
+
+        A rollout cell is busy while its engine holds a request; a training cell while a
+        step runs with it in the trainer (a cell released for rollout trains on until the
+        step's end). Idle time after the run's last dispatch is the straggler tail.
+        """
+        index = cell.index
+        step_running = self.step_task is not None
+        in_step = step_running and any(c.index == index for c in self.trainer.training)
+        phase = self._phase.get(index)
+        if phase == "switch":
+            return "switching"
+        if phase in ("queued", "wait_boundary") and self.roles[index] is Role.ROLLOUT:
+            # Leaving training: busy while in the running step, else waiting for the switch.
+            return "busy" if in_step else "boundary_wait"
+        serving = self.roles[index] is Role.ROLLOUT or phase == "queued"
+        if serving:
+            if in_flight.get(f"cell{index}", 0) > 0:
+                return "busy"
+        elif in_step:
+            return "busy"
+        total = self.config.train.steps * self.config.rl.groups_per_step
+        if self.next_seq >= total:
+            return "tail"
+        if not serving:
+            return "train_wait"
+        return "gate" if self._gate_closed else "other"
 
     def _save(self) -> None:
         self.trainer.save(
@@ -630,10 +695,33 @@ class Runtime:
             ],
             "utilisation": float(np.mean(self.busy_samples)) if self.busy_samples else None,
             "transitions": collections.Counter(t["kind"] for t in transitions),
+            # Cell-seconds busy and idle by cause (sampled every 0.25 s): they sum to
+            # cells x the sampled time, and their idle share is 1 - utilisation.
+            "cell_s": dict(self.cell_time),
+            "over_stale": self.over_stale,
+            "schedule": _schedule_fields(self.config, len(self.cells)),
         }
         (self.workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         logging.info("run finished: %s", summary)
         return summary
+
+
+def _schedule_fields(config: Config, cells: int) -> dict:
+    """The run's schedule as the simulator names it (gyrejax.scheduler.calibrate)."""
+    sched = config.scheduler
+    return {
+        "policy": sched.policy,
+        "cells": cells,
+        "capacity": config.rollout.max_slots,
+        "group_size": config.rl.group_size,
+        "groups_per_step": config.rl.groups_per_step,
+        "steps": config.train.steps,
+        "mu": sched.mu,
+        "phi": sched.phi,
+        "max_staleness": sched.max_staleness,
+        "async_training_cells": sched.async_training_cells,
+        "timeout_s": config.harness.timeout_s,
+    }
 
 
 def _read_jsonl(path: Path) -> list[dict]:
