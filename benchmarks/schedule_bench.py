@@ -1,43 +1,45 @@
-"""Scheduling benchmark: colocate vs async vs elastic, side by side, in the simulator.
+"""Scheduling benchmark: colocate vs async vs elastic, side by side, fairly tuned.
 
 Usage:
   python benchmarks/schedule_bench.py [--quick] [--json PATH] [--config PATH[:variant]]
-                                      [--seed N] [--robust] [--real] [--real_steps N]
-                                      [--real_warm DIR]
+                                      [--plot PATH] [--sensitivity] [--workers N]
+                                      [--real] [--real_steps N] [--real_warm DIR]
+                                      [--calibrate DIR]
 
-On the paper-scale setting of `configs/sim_paper.py` (see its docstring for the model and
-its assumptions) it runs the three policies of gyrejax/scheduler/policies.py in the
-discrete-event simulator (gyrejax/scheduler/simulator.py) over one trace (the same
-executions for every policy) and prints markdown tables:
-  (a) published: colocate bursts, one-step-off-policy async (gate S = 1), elastic with no
-      gate (stragglers carried; its measured staleness shown). The staleness differs
-      between the rows, so this is not a like-for-like comparison; a context row gives
-      async without its gate too;
-  (b) equal staleness: the same gate S for all three, for each (S, phi) of the config,
-      followed by the elastic ablation: the plain waterlevel rule, then each refinement
-      of the elastic policy added in turn (the fourth row is `make_policy("elastic")`),
-      and one alternative option value.
-Async is run with every possible number of training cells (1 .. K-1) and, in (b), both
-dispatch rules (`lookahead` "phi": the (phi + mu) B depth; "gate": only S limits), and
-the best is reported (`async(k, rule)`). Columns: makespan, utilisation, makespan / lower
-bound (total work / cells), makespan / S-bound (`staleness_bound_s`: no policy under the
-gate can beat it), staleness (max, mean), switches, idle cell-hours (trainer cells with no
-step running; free slots on serving cells, and the part of it with dispatch held back by
-the depth or gate), and each makespan over elastic's. --quick uses the config's `quick`
-variant (12 steps). --robust repeats (b) for the config's `robust.seeds` and
-`robust.shapes` (cells x slots) and prints one summary row per run (minutes).
+In the discrete-event simulator (gyrejax/scheduler/simulator.py; the model and its
+assumptions are in `configs/sim_paper.py`'s docstring), over the same traces for every
+policy:
+  (a) published: the paper's asymmetric setting (async one step off-policy, elastic with
+      no gate). NOT like for like; kept only to compare with the paper's figures;
+  (b) fair: for every workload, cluster shape and gate S of the config's `fair` section,
+      each policy at its own best publication cadence mu, dispatch depth phi (with
+      lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split:
+      all swept on the first seed, the best three settings of each policy re-run on every
+      seed, the best mean kept. Columns: the setting, makespan (mean over seeds), the
+      bound valid for any cadence (`makespan_bound_s`), makespan / bound, measured
+      staleness (max, mean), idle cell-hours by cause, and each policy over elastic; then
+      the gate's limit (an ESTIMATE, not a bound: the same gate with unlimited cells and
+      free training) and the issue-14 goals, met or not;
+  a Pareto plot (`--plot`, default schedule_pareto.png): makespan against mean staleness,
+  one curve per policy (its best setting at each S);
+  `--sensitivity`: drift and mixed at S = 8 with token_exponent 0, 0.5 and 1 (whether the
+  rollout/training ratio drifts at all).
 
-`--real` additionally runs the policies as real tiny CPU runs of equal work through
-`gyrejax.launch` (`real_runs`; about 3 minutes per policy; `--real_warm DIR` starts them
-from a finished tiny_cpu warm start).
+`--real` runs the three policies (async over every split) as real tiny CPU runs of equal
+work, in two regimes (compute-bound: today's tiny_cpu; latency-bound: tool calls that
+wait), each from the same warm start if `--real_warm DIR` is given. `--calibrate DIR`
+fits the simulator's model to a real run's logs (gyrejax.scheduler.calibrate) and
+predicts the real runs of all three policies (with --real: the ones just run).
+
+--quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
+import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -47,28 +49,17 @@ from pathlib import Path
 
 import numpy as np
 
+from gyrejax.scheduler.policies import IDLE_CAUSES
 from gyrejax.scheduler.simulator import (
     HOUR,
     SimConfig,
-    SimResult,
     make_trace,
     simulate,
-    staleness_bound_s,
 )
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("colocate", "async", "elastic")
-ASYNC_LOOKAHEADS = ("phi", "gate")
-# The elastic ablation: each row adds one refinement to the one above; the fourth row is
-# the default policy (`make_policy("elastic")`); the last one swaps one of its options.
-PLAIN = {"lookahead": "phi", "core_stays": "ready", "keep_cell": "always"}
-ELASTIC_ABLATION = (
-    ("waterlevel (DESIGN.md rule)", PLAIN),
-    ("+ core returns unless backlog", {**PLAIN, "core_stays": "backlog"}),
-    ("+ no idle lookahead cell", {**PLAIN, "core_stays": "backlog", "keep_cell": "dispatchable"}),
-    ("+ dispatch to the gate (default)", {}),
-    ("default, core_stays=spare", {"core_stays": "spare"}),
-)
+TOP = 3  # settings of each policy re-run on every seed
 
 
 def load_config(spec: str):
@@ -82,207 +73,426 @@ def load_config(spec: str):
     return module.get_config(variant or None)
 
 
-def best_async(
-    config: SimConfig, trace, lookaheads=("phi",)
-) -> tuple[SimResult, dict[str, list[tuple[int, float]]]]:
-    """Async with every split and dispatch rule; returns the fastest and, per rule,
-    (training cells, makespan h)."""
-    best, sweep = None, {}
-    for lookahead in lookaheads:
-        sweep[lookahead] = []
-        for k in range(1, config.cells):
-            result = simulate(config, "async", trace, training_cells=k, lookahead=lookahead)
-            if len(lookaheads) > 1:
-                result = dataclasses.replace(result, policy=f"async({k}, {lookahead})")
-            sweep[lookahead].append((k, result.makespan_s / HOUR))
-            if best is None or result.makespan_s < best.makespan_s:
-                best = result
-    return best, sweep
+# --- one simulated run (in a worker process) -------------------------------------------
+
+_TRACES: dict = {}
 
 
-def row(config: SimConfig, result: SimResult, trace, start: float, **extra) -> dict:
-    return {
-        "label": result.policy,
-        "mu": config.mu,
-        "phi": config.phi,
-        "max_staleness": config.max_staleness,
-        **result.summary(),
-        "staleness_bound_h": staleness_bound_s(config, trace) / HOUR,
-        "sim_s": time.perf_counter() - start,
-        **extra,
-    }
+def _trace(sim: SimConfig):
+    """The trace of a config (every field but the schedule's decides it), cached so that
+    a sweep builds it and its bound once per worker."""
+    key = sim.replace(cells=2, capacity=1, mu=1, phi=0, max_staleness=None)
+    if key not in _TRACES:
+        _TRACES[key] = make_trace(sim)
+    return _TRACES[key]
 
 
-def run_setting(configs: dict[str, SimConfig], trace, lookaheads=("phi",), extra=()) -> dict:
-    """One row per policy (async tuned over its split and `lookaheads`), then `extra`
-    rows: (key, policy, config, options)."""
-    rows = {}
-    for policy in POLICIES:
-        config = configs[policy]
-        start = time.perf_counter()
-        if policy == "async":
-            result, sweep = best_async(config, trace, lookaheads)
-        else:
-            result, sweep = simulate(config, policy, trace), None
-        rows[policy] = row(config, result, trace, start, async_sweep_h=sweep)
-    for key, policy, config, options in extra:
-        start = time.perf_counter()
-        if policy == "async" and "training_cells" not in options:
-            result, _ = best_async(config, trace, lookaheads)
-        else:
-            result = simulate(config, policy, trace, **options)
-        rows[key] = row(config, result, trace, start, label=key)
-    elastic = rows["elastic"]["makespan_h"]
-    best = rows["async"]["makespan_h"]
-    for r in rows.values():
-        r["over_elastic"] = r["makespan_h"] / elastic
-        r["async_over"] = best / r["makespan_h"]
-    return rows
+def run_one(job: tuple[dict, str, dict]) -> dict:
+    """(SimConfig fields, policy, setting) -> the run's summary. The setting holds mu and
+    phi (schedule fields) and the policy's options."""
+    fields, policy, setting = job
+    schedule = {k: setting[k] for k in ("mu", "phi") if k in setting}
+    options = {k: v for k, v in setting.items() if k not in schedule}
+    sim = SimConfig(**fields).replace(**schedule)
+    result = simulate(sim, policy, _trace(sim), **options)
+    return {**result.summary(), "setting": setting}
 
 
-def print_table(title: str, rows: dict, ablation: bool = False) -> None:
-    print(f"\n### {title}\n")
-    last = "best async / this" if ablation else "/ elastic"
-    print("| policy | mu | phi | S | makespan h | util | / bound | / S-bound | stale max "
-          "| stale mean | switches | train idle cell-h | rollout idle (throttled) cell-h "
-          f"| {last} |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows.values():
-        switches = sum(r["transitions"].values())
-        gate = "-" if r["max_staleness"] is None else r["max_staleness"]
-        ratio = r["async_over"] if ablation else r["over_elastic"]
-        print(
-            f"| {r['label']} | {r['mu']} | {r['phi']} | {gate} | {r['makespan_h']:.1f} "
-            f"| {r['utilisation']:.3f} | {r['makespan_over_bound']:.3f} "
-            f"| {r['makespan_h'] / r['staleness_bound_h']:.3f} "
-            f"| {r['staleness_max']} | {r['staleness_mean']:.2f} | {switches} "
-            f"| {r['train_idle_cell_h']:.0f} "
-            f"| {r['rollout_idle_cell_h']:.0f} ({r['throttled_cell_h']:.0f}) | {ratio:.2f}x |"
-        )
-    ref = rows.get("elastic", list(rows.values())[-1])
-    gate = "-" if ref["max_staleness"] is None else ref["max_staleness"]
-    print(f"\nlower bound {ref['lower_bound_h']:.1f} h; S-bound of {ref['label']} "
-          f"{ref['staleness_bound_h']:.1f} h (S = {gate})")  # fmt: skip
-    if ablation:
-        return
-    for lookahead, sweep in rows["async"]["async_sweep_h"].items():
-        print(f"async ({lookahead}) makespan (h) by training cells: "
-              + ", ".join(f"{k}: {h:.1f}" for k, h in sweep))  # fmt: skip
+def gate_limit_h(fields: dict) -> float:
+    """The gate's limit, an estimate (not a bound): async with unlimited slots and cells,
+    free training and switches, dispatching as deep as the gate allows, at mu = 1."""
+    sim = SimConfig(**fields)
+    free = sim.replace(
+        cells=sim.cells * 64,
+        capacity=sim.capacity * 64,
+        mu=1,
+        train_s_per_token=1e-12,
+        to_training_s=0.0,
+        to_rollout_s=0.0,
+    )
+    result = simulate(free, "async", _trace(sim), training_cells=1, lookahead="gate")
+    return result.makespan_s / HOUR
 
 
-def equal_settings(sim: SimConfig, pairs) -> dict[str, dict[str, SimConfig]]:
-    return {
-        f"(b) equal staleness S={s}, phi={phi}": {
-            p: sim.replace(max_staleness=s, phi=0 if p == "colocate" else phi) for p in POLICIES
-        }
-        for s, phi in pairs
-    }
+# --- the sweep ----------------------------------------------------------------------------
 
 
-def ablation_rows(configs: dict[str, SimConfig]) -> list[tuple]:
-    """The `extra` rows of `run_setting` for the elastic ablation of one setting."""
-    return [(name, "elastic", configs["elastic"], options) for name, options in ELASTIC_ABLATION]
-
-
-def robust(sim: SimConfig, cfg) -> list[dict]:
-    """(b) over several seeds and cluster shapes: one summary row per run."""
+def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
+    """Every setting swept for a policy under the gate of `sim`."""
+    cadences = [
+        mu for mu in fair.cadences if sim.max_staleness is None or mu - 1 <= sim.max_staleness
+    ]
     out = []
-    print("\n### robustness: equal staleness over seeds and cluster shapes\n")
-    print("| cells x slots | S | phi | seed | bound h | S-bound h | colocate h | best async h "
-          "| elastic waterlevel h | elastic h | best async / elastic | elastic / bound "
-          "| goal |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for cells, slots in cfg.robust.shapes:
-        for s, phi in cfg.equal.settings:
-            for seed in cfg.robust.seeds:
-                base = sim.replace(cells=cells, capacity=slots, seed=seed)
-                configs = next(iter(equal_settings(base, [(s, phi)]).values()))
-                trace = make_trace(base)
-                rows = run_setting(configs, trace, ASYNC_LOOKAHEADS,
-                                   [("plain", "elastic", configs["elastic"], PLAIN)])  # fmt: skip
-                e, a = rows["elastic"], rows["async"]
-                vs_async = a["makespan_h"] / e["makespan_h"]
-                goal = vs_async >= 1.10 and e["makespan_over_bound"] <= 1.10
-                print(
-                    f"| {cells} x {slots} | {s} | {phi} | {seed} | {e['lower_bound_h']:.1f} "
-                    f"| {e['staleness_bound_h']:.1f} | {rows['colocate']['makespan_h']:.1f} "
-                    f"| {a['makespan_h']:.1f} ({a['label']}) | {rows['plain']['makespan_h']:.1f} "
-                    f"| {e['makespan_h']:.1f} | {vs_async:.2f}x | {e['makespan_over_bound']:.3f} "
-                    f"| {'met' if goal else 'not met'} |",
-                    flush=True,
-                )
-                out.append({"cells": cells, "capacity": slots, "max_staleness": s, "phi": phi,
-                            "seed": seed, "rows": rows, "goal": goal})  # fmt: skip
+    for mu in cadences:
+        if policy == "colocate":
+            out.append({"mu": mu, "phi": 0})
+            continue
+        splits = range(1, sim.cells) if policy == "async" else [None]
+        for k in splits:
+            split = {} if k is None else {"training_cells": k}
+            out.append({"mu": mu, "phi": 0, "lookahead": "gate", **split})
+            out += [{"mu": mu, "phi": phi, "lookahead": "phi", **split} for phi in fair.depths]
     return out
 
 
-REAL_VARIANTS = (
-    ("colocate", []),
-    *((f"async({k})", ["--config.scheduler.policy=async",
-                       f"--config.scheduler.async_training_cells={k}"]) for k in (1, 2, 3)),
-    ("elastic", []),
-)  # fmt: skip
+def tune(pool, sim: SimConfig, fair) -> dict:
+    """Each policy's best setting under `sim`'s gate: all settings on the first seed, the
+    best `TOP` on every seed; the best mean makespan wins. Returns per policy the setting,
+    its runs (one per seed) and the mean of their summaries."""
+    seeds = list(fair.seeds)
+    base = dict(vars(sim), seed=seeds[0])
+    jobs = [(base, p, s) for p in POLICIES for s in settings(p, sim, fair)]
+    first = pool.map(run_one, jobs)
+    out = {}
+    for policy in POLICIES:
+        runs = sorted(
+            (r for (_, p, _), r in zip(jobs, first, strict=True) if p == policy),
+            key=lambda r: r["makespan_h"],
+        )
+        candidates = runs[:TOP]
+        more = [
+            (dict(vars(sim), seed=seed), policy, r["setting"])
+            for r in candidates
+            for seed in seeds[1:]
+        ]
+        rest = pool.map(run_one, more)
+        best = None
+        for i, r in enumerate(candidates):
+            per_seed = [r, *rest[i * (len(seeds) - 1) : (i + 1) * (len(seeds) - 1)]]
+            mean = float(np.mean([x["makespan_h"] for x in per_seed]))
+            if best is None or mean < best["makespan_h"]:
+                best = _mean_summary(per_seed)
+        out[policy] = best
+    return out
 
 
-def _phase_means(path: Path) -> dict[str, dict[str, float]]:
-    """Mean seconds of every timed phase, per transition kind, from transitions.jsonl."""
-    phases: dict[str, dict[str, list[float]]] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        record = json.loads(line)
-        kind = phases.setdefault(record["kind"], {})
-        for key, value in record.items():
-            if key.endswith("_s") and key != "time_s" and isinstance(value, int | float):
-                kind.setdefault(key, []).append(float(value))
-    return {kind: {k: float(np.mean(v)) for k, v in keys.items()} for kind, keys in phases.items()}
+def _mean_summary(runs: list[dict]) -> dict:
+    return {
+        "setting": runs[0]["setting"],
+        "makespan_h": float(np.mean([r["makespan_h"] for r in runs])),
+        "per_seed_h": [r["makespan_h"] for r in runs],
+        "bound_h": float(np.mean([r["bound_h"] for r in runs])),
+        "over_bound": float(np.mean([r["makespan_over_bound"] for r in runs])),
+        "staleness_max": max(r["staleness_max"] for r in runs),
+        "staleness_mean": float(np.mean([r["staleness_mean"] for r in runs])),
+        "over_stale": sum(r["over_stale"] for r in runs),
+        "utilisation": float(np.mean([r["utilisation"] for r in runs])),
+        "idle_cell_h": {
+            k: float(np.mean([r["idle_cell_h"][k] for r in runs])) for k in IDLE_CAUSES
+        },
+        "transitions": float(np.mean([sum(r["transitions"].values()) for r in runs])),
+    }
+
+
+def setting_label(policy: str, setting: dict) -> str:
+    parts = [f"mu={setting['mu']}"]
+    if policy != "colocate":
+        if setting.get("lookahead") == "gate":
+            parts.append("dispatch to S")
+        else:
+            parts.append(f"phi={setting['phi']}")
+    if "training_cells" in setting:
+        parts.insert(0, f"{setting['training_cells']} train")
+    return ", ".join(parts)
+
+
+# --- (b) fair tables and goals ----------------------------------------------------------------
+
+
+def goals(workload: str, gate: int, rows: dict) -> dict:
+    """Issue 14's goals for one (workload, S): None where none is set."""
+    e, a, c = (rows[p]["makespan_h"] for p in ("elastic", "async", "colocate"))
+    out = {"vs_async": a / e, "vs_colocate": c / e, "vs_bound": rows["elastic"]["over_bound"]}
+    if workload == "static":
+        out["met"] = out["vs_async"] >= 1.05
+    elif gate in (4, 8):
+        out["met"] = (
+            out["vs_async"] >= 1.10 and out["vs_colocate"] >= 1.20 and out["vs_bound"] <= 1.10
+        )
+    else:
+        out["met"] = None
+    return out
+
+
+def fair(pool, cfg, report: dict) -> None:
+    base = SimConfig.from_dict(cfg.sim.to_dict())
+    for workload in cfg.fair.workloads:
+        for cells, slots in cfg.fair.shapes:
+            key = f"{workload} {cells}x{slots}"
+            print(
+                f"\n### (b) fair: {key} (each policy at its best mu, phi and split under the "
+                f"same S; mean of seeds {list(cfg.fair.seeds)})\n",
+                flush=True,
+            )
+            print(
+                "| S | policy | best setting | makespan h | bound h | / bound | stale max "
+                "| stale mean | idle cell-h: " + ", ".join(IDLE_CAUSES) + " | / elastic |"
+            )
+            print("|---|---|---|---|---|---|---|---|---|---|")
+            report[key] = {}
+            for gate in cfg.fair.gates:
+                sim = base.replace(
+                    cells=cells,
+                    capacity=slots,
+                    max_staleness=gate,
+                    mu=1,
+                    **cfg.workloads[workload].to_dict(),
+                )
+                start = time.perf_counter()
+                rows = tune(pool, sim, cfg.fair)
+                limits = [gate_limit_h(dict(vars(sim), seed=s)) for s in cfg.fair.seeds]
+                entry = {
+                    "policies": rows,
+                    "gate_limit_estimate_h": float(np.mean(limits)),
+                    "goals": goals(workload, gate, rows),
+                    "sim_s": time.perf_counter() - start,
+                }
+                report[key][gate] = entry
+                elastic = rows["elastic"]["makespan_h"]
+                for policy in POLICIES:
+                    r = rows[policy]
+                    idle = ", ".join(f"{r['idle_cell_h'][k]:.0f}" for k in IDLE_CAUSES)
+                    print(
+                        f"| {gate} | {policy} | {setting_label(policy, r['setting'])} "
+                        f"| {r['makespan_h']:.1f} | {r['bound_h']:.1f} | {r['over_bound']:.3f} "
+                        f"| {r['staleness_max']} | {r['staleness_mean']:.2f} | {idle} "
+                        f"| {r['makespan_h'] / elastic:.3f}x |",
+                        flush=True,
+                    )
+            print(
+                f"\ngoals ({key}): elastic vs best async, vs colocate, / bound; gate limit "
+                "(estimate: unlimited cells, free training)"
+            )
+            for gate, entry in report[key].items():
+                g, limit = entry["goals"], entry["gate_limit_estimate_h"]
+                met = {None: "no goal", True: "met", False: "NOT met"}[g["met"]]
+                elastic = entry["policies"]["elastic"]["makespan_h"]
+                print(
+                    f"  S={gate}: {g['vs_async']:.3f}x async, {g['vs_colocate']:.2f}x colocate, "
+                    f"{g['vs_bound']:.3f} of bound; gate limit {limit:.1f} h (elastic "
+                    f"{elastic / limit:.2f}x it): {met}"
+                )
+
+
+def pareto_plot(report: dict, path: Path) -> None:
+    """Makespan against mean staleness, one curve per policy (its best setting at each S),
+    one panel per workload and shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(report)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for policy, marker in zip(POLICIES, "s^o", strict=True):
+            points = [
+                (e["policies"][policy]["staleness_mean"], e["policies"][policy]["makespan_h"], s)
+                for s, e in report[key].items()
+            ]
+            xs, ys, _ = zip(*points, strict=True)
+            ax.plot(xs, ys, marker=marker, label=policy)
+            for x, y, s in points:
+                ax.annotate(f"S={s}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        bounds = [
+            (e["policies"]["elastic"]["staleness_mean"], e["policies"]["elastic"]["bound_h"])
+            for e in report[key].values()
+        ]
+        ax.plot(*zip(*bounds, strict=True), "k:", label="bound (any cadence)")
+        ax.set_title(key)
+        ax.set_xlabel("mean token staleness (versions)")
+        ax.set_ylabel("makespan (h)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- (a) published and sensitivity ----------------------------------------------------------
+
+
+def published(pool, cfg, report: dict) -> None:
+    sim = SimConfig.from_dict(cfg.sim.to_dict())
+    overrides = {
+        "colocate": cfg.published.colocate.to_dict(),
+        "async": cfg.published.async_.to_dict(),
+        "elastic": cfg.published.elastic.to_dict(),
+    }
+    jobs = []
+    for policy in POLICIES:
+        fields = dict(vars(sim), **overrides[policy])
+        for setting in (
+            [{}] if policy != "async" else [{"training_cells": k} for k in range(1, sim.cells)]
+        ):
+            jobs.append((fields, policy, setting))
+    runs = pool.map(run_one, jobs)
+    print(
+        "\n### (a) published settings: NOT like for like (async one step off-policy, "
+        "elastic without a gate)\n"
+    )
+    print("| policy | setting | makespan h | / bound | stale max | stale mean |")
+    print("|---|---|---|---|---|---|")
+    rows = {}
+    for policy in POLICIES:
+        best = min(
+            (r for (_, p, _), r in zip(jobs, runs, strict=True) if p == policy),
+            key=lambda r: r["makespan_h"],
+        )
+        rows[policy] = best
+        print(
+            f"| {policy} | {overrides[policy] | best['setting']} | {best['makespan_h']:.1f} "
+            f"| {best['makespan_over_bound']:.3f} | {best['staleness_max']} "
+            f"| {best['staleness_mean']:.2f} |"
+        )
+    e = rows["elastic"]["makespan_h"]
+    print(
+        f"\nasync / elastic {rows['async']['makespan_h'] / e:.2f}x, colocate / elastic "
+        f"{rows['colocate']['makespan_h'] / e:.2f}x (published: 1.78x and 1.21x)"
+    )
+    report["published"] = rows
+
+
+def sensitivity(pool, cfg, report: dict) -> None:
+    """Does the rollout/training ratio drift at all? drift and mixed at S = 8 on the first
+    shape, with token_exponent 0, 0.5 and 1 (1: tokens follow wall time, no drift)."""
+    base = SimConfig.from_dict(cfg.sim.to_dict())
+    cells, slots = cfg.fair.shapes[0]
+    print(f"\n### sensitivity: token_exponent, S=8, {cells}x{slots}\n")
+    print(
+        "| workload | token_exponent | elastic h | best async h (setting) | colocate h "
+        "| elastic vs async | vs colocate | / bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    report["sensitivity"] = {}
+    for workload in ("drift", "mixed"):
+        for exponent in (0.0, 0.5, 1.0):
+            overrides = dict(cfg.workloads[workload].to_dict(), token_exponent=exponent)
+            sim = base.replace(cells=cells, capacity=slots, max_staleness=8, mu=1, **overrides)
+            rows = tune(pool, sim, cfg.fair)
+            g = goals(workload, 8, rows)
+            report["sensitivity"][f"{workload} e={exponent}"] = {"policies": rows, "goals": g}
+            a = rows["async"]
+            print(
+                f"| {workload} | {exponent} | {rows['elastic']['makespan_h']:.1f} "
+                f"| {a['makespan_h']:.1f} ({setting_label('async', a['setting'])}) "
+                f"| {rows['colocate']['makespan_h']:.1f} | {g['vs_async']:.3f}x "
+                f"| {g['vs_colocate']:.2f}x | {g['vs_bound']:.3f} |",
+                flush=True,
+            )
+
+
+# --- real runs and calibration ------------------------------------------------------------
+
+
+REGIMES = {
+    # Today's tiny_cpu: rollout is decode on the same 2 cores (compute-bound).
+    "compute": [],
+    # Every tool call waits (lognormal, median 2 s), as builds and test suites do: rollout
+    # holds few CPU-seconds and much wall time.
+    "latency": [
+        "--config.harness.tool_latency_median_s=2.0",
+        "--config.harness.tool_latency_sigma=0.5",
+    ],
+}
+
+
+def real_variants(cells: int = 4) -> list[tuple[str, list[str]]]:
+    variants = [("colocate", ["--config.scheduler.policy=colocate"])]
+    for k in range(1, cells):
+        variants.append(
+            (
+                f"async({k})",
+                ["--config.scheduler.policy=async", f"--config.scheduler.async_training_cells={k}"],
+            )
+        )
+    variants.append(("elastic", ["--config.scheduler.policy=elastic"]))
+    return variants
 
 
 def real_runs(args) -> dict:
-    """Part (b): the same policies as real tiny CPU runs of equal work (configs/tiny_cpu.py:
-    4 cells, `--real_steps` RL steps of the same groups per step), one after another.
+    """The policies as real tiny CPU runs of equal work (configs/tiny_cpu.py: 4 cells,
+    `--real_steps` RL steps), one after another, in each regime; with `--real_warm DIR`
+    every run starts from that warm start. Wall time is the RL part (`run_summary.json`)."""
+    from gyrejax.scheduler import calibrate
 
-    With `--real_warm DIR` (a tiny_cpu workdir whose `demonstrations/` and `warmup/` are
-    done) every run starts from that warm start, so the executions are realistic; without
-    it, from random weights. The async split is swept over 1..3 training cells. Wall time
-    is the RL part only (`run_summary.json`: from the runtime's start, so engine and step
-    compiles count, the warm start does not).
-    """
-    results = {}
     root = Path(args.real_workdir or tempfile.mkdtemp(prefix="schedule_bench_"))
-    for name, flags in REAL_VARIANTS:
-        workdir = root / name.replace("(", "_").replace(")", "")
-        if args.real_warm and not workdir.exists():
-            for part in ("demonstrations", "warmup"):
-                shutil.copytree(Path(args.real_warm) / part, workdir / part)
-        policy = [] if flags else [f"--config.scheduler.policy={name}"]
-        command = [
-            sys.executable, "-m", "gyrejax.launch", "--config", "configs/tiny_cpu.py",
-            f"--workdir={workdir}", *policy, *flags, f"--config.train.steps={args.real_steps}",
-            *([] if args.real_warm else ["--config.warmup.steps=0"]),
-        ]  # fmt: skip
-        print(f"[real] {' '.join(command)}", flush=True)
-        subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)  # fmt: skip
-        summary = json.loads((workdir / "run_summary.json").read_text())
-        results[name] = {"summary": summary, "phases": _phase_means(workdir / "transitions.jsonl")}
-    elastic = results["elastic"]["summary"]["wall_s"]
-    print("\n### (b) real tiny CPU runs (4 cells, equal work)\n")
-    print("| policy | steps | RL wall s | / elastic | utilisation | reward first -> last "
-          "| to_training | to_rollout |")  # fmt: skip
+    results = {}
+    for regime, regime_flags in REGIMES.items():
+        results[regime] = {}
+        for name, flags in real_variants():
+            workdir = root / regime / name.replace("(", "_").replace(")", "")
+            if args.real_warm and not workdir.exists():
+                for part in ("demonstrations", "warmup"):
+                    shutil.copytree(Path(args.real_warm) / part, workdir / part)
+            command = [
+                sys.executable,
+                "-m",
+                "gyrejax.launch",
+                "--config",
+                "configs/tiny_cpu.py",
+                f"--workdir={workdir}",
+                *flags,
+                *regime_flags,
+                f"--config.train.steps={args.real_steps}",
+                *([] if args.real_warm else ["--config.warmup.steps=0"]),
+            ]
+            print(f"[real] {' '.join(command)}", flush=True)
+            subprocess.run(
+                command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            results[regime][name] = calibrate.read_run(workdir)
+        _print_real(regime, results[regime])
+    return {"root": str(root), "runs": results}
+
+
+def _print_real(regime: str, runs: dict) -> None:
+    best_async = min(
+        (r for n, r in runs.items() if n.startswith("async")), key=lambda r: r["wall_s"]
+    )
+    elastic = runs["elastic"]["wall_s"]
+    print(f"\n### real tiny CPU runs, {regime}-bound regime (4 cells, equal work)\n")
+    print(
+        "| policy | steps | RL wall s | / elastic | utilisation | idle share: "
+        + ", ".join(IDLE_CAUSES)
+        + " | reward first -> last | switches |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        s = r["summary"]
-        counts = s.get("transitions", {})
-        first, last = s.get("reward_first") or 0.0, s.get("reward_last") or 0.0
-        print(f"| {name} | {s['steps']} | {s['wall_s']:.0f} | {s['wall_s'] / elastic:.2f}x "
-              f"| {s.get('utilisation') or 0.0:.3f} | {first:.3f} -> {last:.3f} "
-              f"| {counts.get('to_training', 0)} | {counts.get('to_rollout', 0)} |")  # fmt: skip
-    print("\n| policy | transition | mean phase seconds |")
-    print("|---|---|---|")
-    for name, r in results.items():
-        for kind, means in r["phases"].items():
-            times = ", ".join(f"{k} {v:.3f}" for k, v in means.items())
-            print(f"| {name} | {kind} | {times} |")
-    return results
+    for name, r in runs.items():
+        idle = ", ".join(f"{r['idle_share'].get(k, 0):.2f}" for k in IDLE_CAUSES)
+        print(
+            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {r['wall_s'] / elastic:.2f}x "
+            f"| {r['utilisation']:.3f} | {idle} "
+            f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['switches']} |"
+        )
+    print(
+        f"\nelastic vs the better baseline: "
+        f"{min(best_async['wall_s'], runs['colocate']['wall_s']) / elastic:.2f}x"
+    )
+
+
+def calibrate_and_predict(args, real: dict | None) -> dict:
+    """Fits the simulator to the run in --calibrate and predicts the real runs."""
+    from gyrejax.scheduler import calibrate
+
+    fit = calibrate.fit_run(Path(args.calibrate))
+    print(f"\n### calibration from {args.calibrate}\n")
+    for k, v in fit.summary().items():
+        print(f"  {k}: {v}")
+    out = {"fit": fit.summary(), "predictions": {}}
+    runs = (real or {}).get("runs", {})
+    for regime, by_policy in runs.items():
+        print(f"\n| {regime} regime | measured s | predicted s | predicted / measured |")
+        print("|---|---|---|---|")
+        for name, run in by_policy.items():
+            predicted = calibrate.predict(fit, run)
+            out["predictions"][f"{regime}/{name}"] = {
+                "measured_s": run["wall_s"],
+                "predicted_s": predicted,
+            }
+            ratio = predicted / run["wall_s"]
+            print(f"| {name} | {run['wall_s']:.0f} | {predicted:.0f} | {ratio:.3f} |")
+    return out
 
 
 def main() -> None:
@@ -290,48 +500,37 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--config", default=None, help="default: configs/sim_paper.py")
-    parser.add_argument("--seed", type=int, default=None, help="trace seed (default: config)")
-    parser.add_argument("--robust", action="store_true", help="(b) over seeds and shapes")
+    parser.add_argument("--plot", default="schedule_pareto.png")
+    parser.add_argument("--sensitivity", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--sim",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the simulator tables (--no-sim: real runs / calibration only)",
+    )
     parser.add_argument("--real", action="store_true", help="also run real tiny CPU runs")
     parser.add_argument("--real_steps", type=int, default=12)
     parser.add_argument("--real_workdir", default=None)
     parser.add_argument("--real_warm", default=None, help="a tiny_cpu workdir to start from")
+    parser.add_argument("--calibrate", default=None, help="a real run's workdir to fit")
     args = parser.parse_args()
     spec = args.config or ("configs/sim_paper.py:quick" if args.quick else "configs/sim_paper.py")
     cfg = load_config(spec)
-    sim = SimConfig.from_dict(cfg.sim.to_dict())
-    if args.seed is not None:
-        sim = sim.replace(seed=args.seed)
-    trace = make_trace(sim)
-    long_share = float((trace.duration_s >= 4 * HOUR).mean())
-    print(
-        f"{spec}: {sim.cells} cells x {sim.capacity} slots, {sim.steps} steps of "
-        f"{sim.groups_per_step} x {sim.group_size} executions; {long_share:.0%} run >= 4 h, "
-        f"{trace.timed_out.mean():.1%} time out at {sim.timeout_s / HOUR:.1f} h; "
-        f"switches {sim.to_training_s} s / {sim.to_rollout_s} s; seed {sim.seed}"
-    )
-    published = cfg.published.to_dict()
-    overrides = {"colocate": published["colocate"], "async": published["async_"],
-                 "elastic": published["elastic"]}  # fmt: skip
-    report = {"config": spec, "sim": vars(sim) | {}, "settings": {}, "quick": args.quick}
-    title = "(a) published settings"
-    configs = {p: sim.replace(**overrides[p]) for p in POLICIES}
-    ungated = configs["async"].replace(max_staleness=None)
-    rows = run_setting(configs, trace, extra=[("async, no gate", "async", ungated, {})])
-    print_table(title, rows)
-    report["settings"][title] = rows
-    for title, configs in equal_settings(sim, cfg.equal.settings).items():
-        rows = run_setting(configs, trace, ASYNC_LOOKAHEADS, ablation_rows(configs))
-        print_table(title, {p: rows[p] for p in POLICIES})
-        names = [name for name, _ in ELASTIC_ABLATION]
-        print_table(f"elastic ablation, {title[4:]}", {k: rows[k] for k in ["async", *names]},
-                    ablation=True)  # fmt: skip
-        report["settings"][title] = rows
-    print("\npublished: 75.4 h elastic vs 134.6 h async (1.78x) vs 91.5 h colocate (1.21x)")
-    if args.robust:
-        report["robust"] = robust(sim, cfg)
+    report = {"config": spec, "quick": args.quick}
+    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+        if args.sim:
+            published(pool, cfg, report)
+            report["fair"] = {}
+            fair(pool, cfg, report["fair"])
+            pareto_plot(report["fair"], Path(args.plot))
+            print(f"\nPareto plot: {args.plot}")
+            if args.sensitivity:
+                sensitivity(pool, cfg, report)
     if args.real:
         report["real"] = real_runs(args)
+    if args.calibrate:
+        report["calibration"] = calibrate_and_predict(args, report.get("real"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
