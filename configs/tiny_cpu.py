@@ -119,6 +119,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.harness.max_observation_tokens = 128
     c.harness.max_retries = 1
     c.harness.eval_retry_budget = 3
+    # Agent code runs under bubblewrap when it works here, else under the Python guard
+    # (not a security boundary; the log and run_summary.json say so). "bwrap" insists.
+    c.harness.sandbox = "auto"
 
     # Supervised warm start on demonstrations.
     c.warmup = config_dict.ConfigDict()

@@ -62,6 +62,10 @@ def test_values_are_coerced_to_field_types():
         ),
         ({"harness": {"task_pool": -1}}, r"config\.harness\.task_pool=-1"),
         (
+            {"harness": {"sandbox": "docker"}},
+            r"config\.harness\.sandbox='docker': expected one of auto, bwrap, python_guard",
+        ),
+        (
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
         ),

@@ -49,6 +49,7 @@ from gyrejax.cells import Cell
 from gyrejax.config import Config, ConfigError
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
+from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
 from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
@@ -122,7 +123,7 @@ class Runtime:
         self.cells = cells
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.env = get_environment(config.harness.environment)
+        self.env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
         self.trainer = self._make_trainer(model)
         self.checkpointer = TrainCheckpointer(self.workdir / "checkpoints", config.checkpoint)
         self.store = ExecutionStore(self.workdir / "executions")
@@ -630,6 +631,8 @@ class Runtime:
             ],
             "utilisation": float(np.mean(self.busy_samples)) if self.busy_samples else None,
             "transitions": collections.Counter(t["kind"] for t in transitions),
+            # Which sandbox ran agent code; without bubblewrap it says it is no boundary.
+            "sandbox": sandbox_summary(self.config.harness.sandbox),
         }
         (self.workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         logging.info("run finished: %s", summary)
