@@ -123,6 +123,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     # benchmarks/schedule_bench.py --real sets a median of 2 s.
     c.harness.tool_latency_median_s = 0.0
     c.harness.tool_latency_sigma = 0.0
+    # Agent code runs under bubblewrap when it works here, else under the Python guard
+    # (not a security boundary; the log and run_summary.json say so). "bwrap" insists.
+    c.harness.sandbox = "auto"
 
     # Supervised warm start on demonstrations.
     c.warmup = config_dict.ConfigDict()

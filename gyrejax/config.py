@@ -33,6 +33,9 @@ ADVANTAGES = ("grpo", "mean_centered", "rloo")
 ENGINES = ("jax",)
 POLICIES = ("elastic", "colocate", "async")
 ENVIRONMENTS = ("mini_repo",)
+# How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
+# boundary), the Python audit-hook guard only (not a boundary), or bwrap when it works.
+SANDBOXES = ("auto", "bwrap", "python_guard")
 
 # Logical axis -> mesh axis (or None: replicated). Model code names logical axes only.
 ShardingRules = tuple[tuple[str, str | None], ...]
@@ -294,9 +297,14 @@ class HarnessConfig:
     # lognormal with this median and sigma, waited without using a CPU. 0: no wait.
     tool_latency_median_s: float = 0.0
     tool_latency_sigma: float = 0.0
+    # Agent code's sandbox: "bwrap" (bubblewrap; refuses to start without it),
+    # "python_guard" (the audit-hook guard only: NOT a security boundary) or "auto" (bwrap
+    # when it works here, else the guard with a warning in the log and run_summary.json).
+    sandbox: str = "auto"
 
     def __post_init__(self):
         _one_of("harness", self, "environment", ENVIRONMENTS)
+        _one_of("harness", self, "sandbox", SANDBOXES)
         _positive(
             "harness",
             self,

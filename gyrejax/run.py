@@ -30,7 +30,8 @@ import numpy as np
 from absl import logging
 
 from gyrejax.cells import Cell, split_into_cells
-from gyrejax.config import Config
+from gyrejax.config import Config, ConfigError
+from gyrejax.harness.sandbox import SandboxUnavailable, choose_sandbox
 from gyrejax.model import sharding
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import generate
@@ -65,6 +66,11 @@ def run(config: Config, workdir: str) -> dict:
     """Runs every stage that exists; returns a summary (also written to `workdir`)."""
     out = Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
+    if not config.train.executions_dir:  # agent code will run: harness.sandbox="bwrap"
+        try:  # refuses to start without bubblewrap, before anything is built
+            choose_sandbox(config.harness.sandbox)
+        except SandboxUnavailable as e:  # "sandbox='bwrap': ..."
+            raise ConfigError(f"config.harness.{e}") from e
     cells = split_into_cells(config.cells)
     core = cells[0]
     logging.info("devices: %d %s", len(jax.devices()), jax.devices()[0].platform)

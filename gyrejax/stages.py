@@ -24,6 +24,7 @@ from gyrejax.config import Config
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.demonstrations import demonstration_executions
 from gyrejax.harness.envs import get_environment
+from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.jax_engine import JaxEngine
@@ -34,7 +35,7 @@ from gyrejax.trajectory import Execution, ExecutionStore
 
 def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: Path) -> Transformer:
     """SFT on demonstrations; returns the model with the trained weights."""
-    env = get_environment(config.harness.environment)
+    env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
     store = ExecutionStore(workdir / "demonstrations")
     if len(store) < config.warmup.demonstrations:
         tasks = draw_tasks(
@@ -76,7 +77,7 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
 
 async def _rollout(config: Config, cells: list[Cell], model: Transformer, workdir: Path,
                    version: int) -> list[Execution]:  # fmt: skip
-    env = get_environment(config.harness.environment)
+    env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
     engines = [
         JaxEngine(
             f"cell{cell.index}", model, cell, max_slots=config.rollout.max_slots,
@@ -121,6 +122,7 @@ def rollout_batch(config: Config, cells: list[Cell], model: Transformer, workdir
         "calls": sum(len(e.calls) for e in executions),
         "generated_tokens": sum(len(c.output_ids) for e in executions for c in e.calls),
         "seconds": time.perf_counter() - start,
+        "sandbox": sandbox_summary(config.harness.sandbox),  # no boundary without bwrap
     }
     (workdir / "rollout_summary.json").write_text(json.dumps(summary, indent=2))
     logging.info(

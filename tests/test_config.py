@@ -70,6 +70,10 @@ def test_values_are_coerced_to_field_types():
             r"config\.harness\.tool_latency_sigma=inf",
         ),
         (
+            {"harness": {"sandbox": "docker"}},
+            r"config\.harness\.sandbox='docker': expected one of auto, bwrap, python_guard",
+        ),
+        (
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
         ),

@@ -14,8 +14,8 @@ from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
 
 
-def launch(*args, timeout=300):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def launch(*args, timeout=300, **environment):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **environment)
     return subprocess.run(
         [sys.executable, "-m", "gyrejax.launch", *args],
         cwd=REPO_ROOT,
@@ -71,3 +71,18 @@ def test_bad_config_exits_with_one_clear_line(tmp_path, override, message):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gyrejax.launch: ") and message in last, last
+
+
+def test_bwrap_sandbox_without_bubblewrap_exits_with_one_clear_line(tmp_path):
+    # No `bwrap` on this PATH: harness.sandbox="bwrap" refuses to start (never falls back).
+    result = launch(
+        "--config", "configs/tiny_cpu.py:smoke", "--workdir", str(tmp_path),
+        "--config.harness.sandbox=bwrap", PATH=str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "gyrejax.launch: config.harness.sandbox='bwrap': bubblewrap (bwrap) is not on PATH"
+    ), last
+    assert not (tmp_path / "layout.json").exists()  # refused before anything was built

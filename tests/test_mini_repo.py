@@ -25,7 +25,7 @@ from gyrejax.harness.envs.mini_repo import (
     parse_action,
     task_checks,
 )
-from gyrejax.harness.sandbox import Limits, SandboxError
+from gyrejax.harness.sandbox import Limits, SandboxError, SandboxUnavailable, choose_sandbox
 from gyrejax.harness.workspace import Workspace
 
 FAST = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=2.0)
@@ -295,6 +295,23 @@ def test_evaluation_errors_are_injected_and_detected(tmp_path, monkeypatch):
         MiniRepoEnv().score(module, tmp_path)
     # The agent's check tool reports it instead of raising.
     assert MiniRepoEnv().run_visible_checks(module, tmp_path).startswith("error: the checks")
+
+
+@pytest.mark.parametrize("mode", ["python_guard", "auto"])
+def test_checks_run_under_the_configured_sandbox(tmp_path, mode):
+    env = MiniRepoEnv(limits=FAST, sandbox=mode)
+    assert env.sandbox == choose_sandbox(mode)  # resolved once, when the env is made
+    module = module_task(env)
+    goal = module.goals[0]
+    Workspace(tmp_path).write(goal.path, goal.solution)
+    assert env.score(module, tmp_path).reward == 1.0
+
+
+def test_a_bwrap_env_refuses_to_exist_without_bubblewrap(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    with pytest.raises(SandboxUnavailable, match="sandbox='bwrap': bubblewrap"):
+        MiniRepoEnv(sandbox="bwrap")
+    assert MiniRepoEnv(sandbox="auto").sandbox.used == "python_guard"
 
 
 def test_visible_checks_observation(env, tmp_path):

@@ -19,6 +19,7 @@ from flax import nnx
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
+from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.runtime import PublishedWeights, Runtime
@@ -47,6 +48,9 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
         assert "to_rollout" in kinds
     for name in ("cell_roles.png", "steps.png", "run_summary.json"):
         assert (tmp_path / name).stat().st_size > 0
+    # Which sandbox ran agent code (without bubblewrap: a warning that it is no boundary).
+    written = json.loads((tmp_path / "run_summary.json").read_text())
+    assert written["sandbox"] == summary["sandbox"] == sandbox_summary("auto")
 
 
 def launch(workdir, steps):

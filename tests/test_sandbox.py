@@ -1,14 +1,36 @@
-"""Sandbox: limited child processes; every runaway is killed or refused, never hangs."""
+"""Sandbox: limited child processes; every runaway is killed or refused, never hangs;
+under bubblewrap, every escape the audit found (issue 15, finding 5) meets the kernel."""
 
+import logging
 import os
+import random
+import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from gyrejax.harness.sandbox import Limits, RunResult, run_python
+from gyrejax.harness.sandbox import (
+    NOT_A_BOUNDARY,
+    Limits,
+    RunResult,
+    SandboxUnavailable,
+    choose_sandbox,
+    run_python,
+    sandbox_summary,
+)
 
 FAST = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=5.0, max_output_bytes=4096)
+# Probed once, as the harness does: the escape tests need a working bubblewrap (CI
+# installs it; .ci/run), and skip with the probe's reason where there is none.
+BWRAP = choose_sandbox("auto")
+needs_bwrap = pytest.mark.skipif(
+    not BWRAP.security_boundary, reason=f"bubblewrap is not usable here: {BWRAP.reason}"
+)
+# Both layers: the guard alone (what `auto` falls back to) and bubblewrap with the guard.
+MODES = ["python_guard", pytest.param("bwrap", marks=needs_bwrap)]
 
 
 @pytest.fixture
@@ -55,6 +77,7 @@ def test_runs_in_the_workspace_with_a_scrubbed_environment(ws, monkeypatch):
                 "LANG": "C.UTF-8",
                 "LC_ALL": "C.UTF-8",
                 "PATH": "/usr/bin:/bin",
+                "PWD": root,
                 "TMPDIR": root,
             }.items()
         )
@@ -128,8 +151,9 @@ def test_memory_bomb_fails_within_the_address_space_limit(ws):
         ),
     ],
 )
-def test_spawning_sockets_ctypes_and_limit_changes_are_refused(ws, script, what):
-    assert_refused(run_python(script, ws, FAST), what)
+@pytest.mark.parametrize("mode", MODES)
+def test_spawning_sockets_ctypes_and_limit_changes_are_refused(ws, script, what, mode):
+    assert_refused(run_python(script, ws, FAST, sandbox=mode), what)
 
 
 def test_giant_file_stops_at_the_file_size_limit(ws):
@@ -160,11 +184,13 @@ def test_giant_file_stops_at_the_file_size_limit(ws):
         "import os\nos.mkfifo({out!r} + '/fifo')",
         "import shutil\nshutil.rmtree({out!r})",
         "import os\nfd = os.open({out!r}, os.O_RDONLY)\nos.mkdir('d', dir_fd=fd)",
+        "import os\nfd = os.open({out!r}, os.O_RDONLY)\nos.open('n', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",  # noqa: E501
     ],
 )
-def test_writes_outside_the_workspace_are_refused(ws, outside, script):
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_outside_the_workspace_are_refused(ws, outside, script, mode):
     before = sorted((p.name, p.stat().st_mode, p.read_bytes()) for p in outside.iterdir())
-    result = run_python(script.format(out=str(outside)), ws, FAST)
+    result = run_python(script.format(out=str(outside)), ws, FAST, sandbox=mode)
     assert_refused(result, "sandbox refused")
     after = sorted((p.name, p.stat().st_mode, p.read_bytes()) for p in outside.iterdir())
     assert after == before
@@ -211,3 +237,276 @@ def test_bad_arguments(tmp_path):
         Limits(cpu_s=0)
     with pytest.raises(ValueError, match="memory_bytes"):
         Limits(memory_bytes=1.5)  # type: ignore[arg-type]
+
+
+# --- escapes the audit found (issue 15, finding 5): refused by the kernel under bwrap ---
+#
+# Each drives the escape the audit used, through Python where the guard stops it and
+# through libc (cffi) where it cannot, and asserts on the world outside the workspace.
+# With ESCAPE_SANDBOX = "python_guard" (the guard alone) they fail where the guard cannot
+# see the escape (libc, the race, the read-only system, the network).
+ESCAPE_SANDBOX = "bwrap"
+# Two threads racing for a while: more CPU and wall time than FAST.
+RACE = Limits(cpu_s=5.0, memory_bytes=256 << 20, wall_s=10.0, max_output_bytes=4096)
+
+
+def escape(script: str, ws: Path, limits: Limits = FAST) -> RunResult:
+    return run_python(script, ws, limits, sandbox=ESCAPE_SANDBOX)
+
+
+def libc_prelude() -> str:
+    """Script lines that load libc through cffi. C calls raise no audit event, so the
+    Python guard never sees them: the audit's way out of the guard."""
+    cffi = pytest.importorskip("cffi", reason="the libc escapes need cffi (a dev extra)")
+    site = os.path.dirname(os.path.dirname(cffi.__file__))
+    return (
+        "import sys\n"
+        f"sys.path.insert(0, {site!r})\n"  # -I -S: site-packages is not on the path
+        "import cffi\n"
+        "ffi = cffi.FFI()\n"
+        "ffi.cdef('int system(const char *); long syscall(long, ...); "
+        "int setpriority(int, int, int); int openat(int, const char *, int, ...); "
+        "int socket(int, int, int); int connect(int, const void *, unsigned int); "
+        "int symlink(const char *, const char *); int rename(const char *, const char *);')\n"
+        "libc = ffi.dlopen(None)\n"
+    )
+
+
+def pids_running(marker: str) -> list[int]:
+    """Pids of processes (in this PID namespace) whose command line holds `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+@needs_bwrap
+def test_libc_system_cannot_write_outside(ws, outside):
+    target = outside / "pwned.txt"
+    script = libc_prelude() + (
+        f"print('outside', libc.system(b'echo pwned > {target}'))\n"
+        "print('inside', libc.system(b'echo ok > by_shell.txt'))\n"
+    )
+    result = escape(script, ws)
+    assert result.ok, result.stderr
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+    if os.geteuid() == 0:  # the shell did run (for others RLIMIT_NPROC=0 stops the fork)
+        assert (ws / "by_shell.txt").read_text() == "ok\n"
+
+
+@needs_bwrap
+@pytest.mark.parametrize("ending", ["exit", "wall_clock"])
+def test_a_setsid_child_does_not_outlive_the_run(ws, ending):
+    marker = f"1000.{random.randrange(10**6):06d}"  # a sleep nobody else runs
+    script = libc_prelude() + (
+        "import os, time\n"
+        f"libc.system(b'setsid sleep {marker} </dev/null >/dev/null 2>&1 &')\n"
+        "def running():\n"
+        "    for p in filter(str.isdigit, os.listdir('/proc')):\n"
+        "        try:\n"
+        f"            if b'{marker}' in open('/proc/' + p + '/cmdline', 'rb').read():\n"
+        "                return True\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return False\n"
+        "end = time.monotonic() + 3\n"
+        "while not running() and time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "print('child running:', running(), flush=True)\n"
+        + ("time.sleep(60)\n" if ending == "wall_clock" else "")
+    )
+    limits = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=2.0)
+    result = escape(script, ws, limits)
+    left = pids_running(marker)
+    for pid in left:  # only a failing run leaves one; do not leave it behind
+        os.kill(pid, signal.SIGKILL)
+    if os.geteuid() == 0:  # (others cannot fork at all: RLIMIT_NPROC=0)
+        assert "child running: True" in result.stdout, result
+    assert result.timed_out == (ending == "wall_clock")
+    assert left == []
+
+
+@needs_bwrap
+def test_a_symlink_swapped_between_check_and_open_cannot_redirect_a_write(ws, outside):
+    if os.geteuid() != 0:
+        pytest.skip("RLIMIT_NPROC=0 forbids threads for non-root callers: no race to run")
+    target = outside / "keep.txt"
+    # A thread flips `link` between a file inside and one outside while the main thread
+    # opens it for writing: the guard checks the path, then the open follows whatever
+    # the link is by then. The audit got out in 170 tries. (The flips go through libc:
+    # the guard refuses to rename a link that points outside.)
+    script = libc_prelude() + (
+        "import os, threading, time\n"
+        "open('inside.txt', 'w').close()\n"
+        "os.symlink('inside.txt', 'link')\n"
+        "stop = False\n"
+        "def flip():\n"
+        "    while not stop:\n"
+        f"        for destination in ({str(target).encode()!r}, b'inside.txt'):\n"
+        "            libc.symlink(destination, b'new')\n"
+        "            libc.rename(b'new', b'link')\n"
+        "threading.Thread(target=flip, daemon=True).start()\n"
+        "tries, escaped, end = 0, False, time.monotonic() + 1.5\n"
+        "while time.monotonic() < end and not escaped:\n"
+        "    tries += 1\n"
+        "    try:\n"
+        "        with open('link', 'w') as f:\n"
+        "            f.write('pwned')\n"
+        "    except OSError:\n"  # the guard's PermissionError, or the kernel's EROFS
+        "        pass\n"
+        f"    escaped = open({str(target)!r}).read() == 'pwned'\n"
+        "stop = True\n"
+        "print(tries, escaped)\n"
+    )
+    result = escape(script, ws, RACE)
+    assert result.ok, result.stderr
+    tries, escaped = result.stdout.split()
+    assert escaped == "False" and target.read_text() == "keep", f"out after {tries} tries"
+    assert int(tries) >= 200, "too few tries for the race to mean anything"
+
+
+@needs_bwrap
+def test_the_harness_cannot_be_signalled_through_a_pidfd(ws):
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: received.append(1))
+    script = libc_prelude() + (
+        "import os, signal\n"
+        f"for pid in (os.getppid(), {os.getpid()}):\n"  # the parent; the harness's own pid
+        "    try:\n"
+        "        signal.pidfd_send_signal(os.pidfd_open(pid), signal.SIGUSR1)\n"
+        "    except OSError as e:\n"
+        "        print('python:', pid, type(e).__name__)\n"
+        "    fd = libc.syscall(434, ffi.cast('int', pid), ffi.cast('int', 0))  # pidfd_open\n"
+        "    if fd >= 0:  # pidfd_send_signal\n"
+        "        libc.syscall(424, ffi.cast('int', fd), ffi.cast('int', signal.SIGUSR1),\n"
+        "                     ffi.NULL, ffi.cast('int', 0))\n"
+    )
+    try:
+        result = escape(script, ws)
+        time.sleep(0.2)  # a delivered signal's handler has run by now
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert result.ok, result.stderr
+    assert received == []
+
+
+@needs_bwrap
+def test_the_harness_priority_cannot_be_changed(ws):
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if before >= 19:
+        pytest.skip("already at the lowest priority: a change could not be seen")
+    script = libc_prelude() + (
+        "import os\n"
+        f"for pid in (os.getppid(), {os.getpid()}):\n"
+        "    try:\n"
+        "        os.setpriority(os.PRIO_PROCESS, pid, 19)\n"
+        "    except OSError as e:\n"
+        "        print('python:', pid, type(e).__name__)\n"
+        "    libc.setpriority(0, pid, 19)  # PRIO_PROCESS\n"
+    )
+    try:
+        result = escape(script, ws)
+        after = os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)  # undo a failed run's change (root)
+    assert result.ok, result.stderr
+    assert after == before
+
+
+@needs_bwrap
+def test_open_relative_to_a_directory_fd_outside_is_refused(ws, outside):
+    script = libc_prelude() + (
+        "import os\n"
+        f"fd = os.open({str(outside)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+        "try:\n"
+        "    os.open('by_python.txt', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)\n"
+        "except OSError as e:\n"
+        "    print('python:', type(e).__name__)\n"
+        "flags = os.O_WRONLY | os.O_CREAT\n"
+        "print('libc:', libc.openat(fd, b'by_libc.txt', flags, ffi.cast('int', 0o644)))\n"
+    )
+    result = escape(script, ws)
+    assert result.ok, result.stderr
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+
+
+@needs_bwrap
+def test_there_is_no_network(ws):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        script = libc_prelude() + (
+            "import struct\n"
+            "fd = libc.socket(2, 1, 0)  # AF_INET, SOCK_STREAM\n"
+            f"address = struct.pack('=H', 2) + struct.pack('!H', {port}) + bytes([127, 0, 0, 1])\n"
+            "address += bytes(8)  # struct sockaddr_in\n"
+            "print('libc:', libc.connect(fd, ffi.from_buffer(address), len(address)))\n"
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "except OSError as e:\n"
+            "    print('python:', type(e).__name__)\n"
+        )
+        result = escape(script, ws)
+        assert result.ok, result.stderr
+        assert "libc: -1" in result.stdout  # refused: the sandbox's own loopback is empty
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing reached the server
+
+
+@needs_bwrap
+def test_the_system_is_read_only_and_the_workspace_writable(ws, outside):
+    paths = ["/", "/usr", "/etc", "/tmp", "/var/tmp", "/dev", "/dev/shm", "/proc/sys/kernel",
+             str(outside), str(ws)]  # fmt: skip
+    script = f"import os\nprint([os.access(p, os.W_OK) for p in {paths!r}])\n"
+    script += "print(os.listdir('/run'))\n"  # where daemons keep their unix sockets
+    result = escape(script, ws)
+    assert result.ok, result.stderr
+    assert result.stdout == f"{[False] * (len(paths) - 1) + [True]}\n[]\n"
+
+
+# --- choosing the sandbox ------------------------------------------------------------------
+
+
+def test_auto_falls_back_to_the_guard_with_a_warning(ws, tmp_path, caplog):
+    missing = str(tmp_path / "no-bwrap")
+    with caplog.at_level(logging.WARNING):
+        choice = choose_sandbox("auto", bwrap=missing)
+    assert (choice.used, choice.security_boundary) == ("python_guard", False)
+    assert missing in choice.reason
+    assert any(NOT_A_BOUNDARY in r.getMessage() and missing in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    summary = sandbox_summary("auto", bwrap=missing)
+    assert summary["used"] == "python_guard" and summary["security_boundary"] is False
+    assert summary["warning"] == NOT_A_BOUNDARY
+    # The guard still runs the script (and still refuses what it can see).
+    result = run_python("import socket\nsocket.socket()\n", ws, FAST, sandbox=choice)
+    assert_refused(result, "socket.")
+    # A bwrap that exists but cannot sandbox (here: exits 1) is no better than none.
+    assert choose_sandbox("auto", bwrap="/bin/false").used == "python_guard"
+
+
+def test_bwrap_mode_refuses_to_start_without_bubblewrap(ws, tmp_path):
+    for unusable in (str(tmp_path / "no-bwrap"), "/bin/false"):
+        with pytest.raises(SandboxUnavailable, match=r"sandbox='bwrap': .*install bubblewrap"):
+            choose_sandbox("bwrap", bwrap=unusable)
+    with pytest.raises(ValueError, match=r"sandbox='docker': expected one of auto, bwrap"):
+        run_python("print(1)", ws, FAST, sandbox="docker")
+    guard = choose_sandbox("python_guard")
+    assert guard.used == "python_guard" and "warning" in guard.summary()
+
+
+@needs_bwrap
+def test_bwrap_mode_and_its_summary(ws):
+    assert choose_sandbox("bwrap") == BWRAP.__class__("bwrap", "bwrap", bwrap=BWRAP.bwrap)
+    assert sandbox_summary("auto") == {
+        "requested": "auto",
+        "used": "bwrap",
+        "security_boundary": True,
+    }
+    result = run_python("import os\nprint(os.getpid(), os.getppid())", ws, FAST, sandbox="bwrap")
+    assert result.stdout == "2 1\n"  # its own PID namespace, under bubblewrap's init

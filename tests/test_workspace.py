@@ -1,7 +1,11 @@
 """Workspace: confined, capped file tools that answer with observations and never raise."""
 
+import errno
 import os
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyrejax.harness.sandbox import Limits, run_python
-from gyrejax.harness.workspace import Workspace
+from gyrejax.harness.workspace import Workspace, open_beneath
 
 
 @pytest.fixture
@@ -150,6 +154,106 @@ def test_symlink_made_by_agent_code_is_refused(dirs):
     assert ws.read("pw").startswith("refused: ")
     assert ws.write("escape/evil.txt", "x").startswith("refused: ")
     assert not (outside / "evil.txt").exists()
+
+
+def test_a_planted_hard_link_is_not_written_through(dirs):
+    """Issue 15: `write` followed a hard link to a file outside and overwrote it."""
+    ws, outside = dirs
+    os.link(outside / "secret.txt", ws.root / "hard.txt")
+    observation = ws.write("hard.txt", "pwned")
+    assert observation == (
+        "refused: 'hard.txt' has 2 hard links (it may be a file outside the workspace); "
+        "write to a new path instead"
+    )
+    assert (outside / "secret.txt").read_text() == "secret"
+    assert ws.write("other.txt", "fine").startswith("wrote")  # a file of its own is fine
+
+
+def test_open_beneath_refuses_a_symlink_at_any_step(dirs):
+    """What makes a swapped-in link harmless: the open itself refuses links, whatever a
+    check before it saw."""
+    ws, outside = dirs
+    ws.write("d/inner.txt", "x")
+    os.symlink(outside, ws.root / "out")
+    os.symlink("d", ws.root / "inside_link")  # even one that stays inside
+    os.symlink(outside / "secret.txt", ws.root / "d" / "leaf")
+    create = os.O_WRONLY | os.O_CREAT
+    for relative, make_parents in [
+        ("out/new.txt", False),
+        ("out/new.txt", True),
+        ("out/deeper/new.txt", True),
+        ("inside_link/inner.txt", False),
+        ("d/leaf", False),
+    ]:
+        with pytest.raises(OSError) as raised:
+            open_beneath(ws.root, relative, create, make_parents=make_parents)
+        assert raised.value.errno == errno.ELOOP, relative
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    os.close(open_beneath(ws.root, "d/e/f.txt", create, make_parents=True))
+    assert (ws.root / "d" / "e" / "f.txt").is_file()
+
+
+def test_a_symlink_swapped_in_right_after_each_check_is_refused(dirs, monkeypatch):
+    """The check-then-open race, made deterministic: every time the tool has checked the
+    path, the directory on it becomes a link out, as a racing process could make it."""
+    ws, outside = dirs
+    ws.write("d/f.txt", "first")
+    d = ws.root / "d"
+    check = Workspace._check
+
+    def check_then_swap(self, path):
+        if d.is_symlink():  # a directory again for the check ...
+            d.unlink()
+            d.mkdir()
+        result = check(self, path)
+        for child in d.iterdir():  # ... and a link out right after it
+            child.unlink()
+        d.rmdir()
+        d.symlink_to(outside)
+        return result
+
+    monkeypatch.setattr(Workspace, "_check", check_then_swap)
+    observation = ws.write("d/f.txt", "pwned")
+    assert observation == "refused: 'd/f.txt' goes through a symlink (symlinks are not followed)"
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert ws.read("d/f.txt").startswith("refused: ")
+
+
+# Swaps two paths atomically (renameat2 RENAME_EXCHANGE) as fast as it can, in its own
+# process so that it truly runs alongside the tool (a thread would wait for the GIL).
+_SWAPPER = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+a, b = sys.argv[1].encode(), sys.argv[2].encode()
+print("swapping", flush=True)
+while True:
+    libc.renameat2(-100, a, -100, b, 2)
+"""
+
+
+def test_a_symlink_swapped_in_mid_path_during_writes_never_leads_outside(dirs):
+    """Another process swaps a directory on the path for a link out while the tool writes
+    through that path: the check-then-open race."""
+    ws, outside = dirs
+    ws.write("d/f.txt", "first")
+    os.symlink(outside, ws.root / "swap")
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", _SWAPPER, str(ws.root / "d"), str(ws.root / "swap")],
+        stdout=subprocess.PIPE,
+    )
+    wrote = tries = 0
+    try:
+        assert swapper.stdout.readline() == b"swapping\n"
+        end = time.monotonic() + 1.5  # "d": a directory one moment, a link out the next
+        while time.monotonic() < end and not (outside / "f.txt").exists():
+            tries += 1
+            wrote += ws.write("d/f.txt", f"try {tries}").startswith("wrote")
+    finally:
+        swapper.kill()
+        swapper.wait()
+        swapper.stdout.close()
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"], f"out in {tries} tries"
+    assert wrote > 0 and tries > 100  # the race ran, and writes inside still work
 
 
 def test_fifo_left_by_agent_code_does_not_block(dirs):

@@ -69,7 +69,8 @@ class Harness:
       config: turns, timeouts, budgets.
       workdir: workspaces live in `workdir/<execution id>`.
       temperature: sampling temperature of every call.
-      environment: defaults to `get_environment(config.environment)`.
+      environment: defaults to `get_environment(config.environment,
+        sandbox=config.sandbox)`.
     """
 
     def __init__(
@@ -85,7 +86,9 @@ class Harness:
         self.config = config
         self.workdir = Path(workdir)
         self.temperature = temperature
-        self.env = environment if environment is not None else get_environment(config.environment)
+        if environment is None:
+            environment = get_environment(config.environment, sandbox=config.sandbox)
+        self.env = environment
 
     # --- executions -----------------------------------------------------------------------
 

@@ -1,53 +1,84 @@
-"""Run agent-written Python in a separate, limited process.
+"""Run agent-written Python in a separate, limited process, under an OS sandbox.
 
-`run_python(script, workspace, limits)` starts `sys.executable -I -S -B -X utf8 -c BOOTSTRAP`
-with stdin closed, cwd = the workspace, its own session (so its own process group) and a
-scrubbed environment (PATH=/usr/bin:/bin, HOME=TMPDIR=the workspace, a UTF-8 locale;
-nothing inherited). The script travels through an anonymous in-memory file, never through
-the workspace or argv. The bootstrap, before any agent code runs:
+`run_python(script, workspace, limits, sandbox=...)` runs `sys.executable -I -S -B -X utf8
+-c BOOTSTRAP` with stdin closed, cwd = the workspace, its own session and a scrubbed
+environment (PATH=/usr/bin:/bin, HOME=TMPDIR=PWD=the workspace, a UTF-8 locale; nothing
+inherited). The script travels through an anonymous in-memory file, never through the
+workspace or argv. Two layers confine it:
 
-1. sets rlimits on itself: CPU time (soft = ceil(cpu_s): SIGXCPU; hard one second later:
-   SIGKILL), address space, file size (a write past it fails with EFBIG, since CPython
-   ignores SIGXFSZ), core dumps off, and (unless running as root, which ignores it)
-   RLIMIT_NPROC = 0, so the child can create neither processes nor threads.
-   The limits are set here rather than in a `preexec_fn` because `preexec_fn` is unsafe
-   when the caller has threads (the harness runs many executions concurrently).
-2. installs a `sys.addaudithook` hook (hooks cannot be removed) that raises
-   PermissionError for: `open`/`os.open` with a write, create, truncate or append flag
-   outside the workspace (`/dev/null` is allowed); `os.remove/rmdir/mkdir/rename/link/
-   symlink/chmod/chown/utime/truncate/chflags/setxattr/removexattr` outside it (symlink:
-   the link's location; rename and link: both ends); `os.chdir` out of it; spawning
-   processes (`subprocess.Popen`, `os.system`, `os.exec*`, `os.spawn*`, `os.posix_spawn*`,
-   `os.fork`, `os.forkpty`); signals to other processes (`os.kill`, `os.killpg`); every
-   socket operation; every ctypes operation (and importing ctypes); raising rlimits.
-   Paths are resolved with `os.path.realpath` (symlinks followed, relative paths against the
-   cwd or, for a `dir_fd` the event reports, against that directory).
-3. replaces `_posixsubprocess.fork_exec` (which raises no audit event; multiprocessing
-   uses it) and `os.mkfifo` / `os.mknod` (no events either) with guarded versions.
+1. **bubblewrap** (`sandbox="bwrap"`, the Debian/Ubuntu package `bubblewrap`), the
+   security boundary. The child runs in new user, PID, network, IPC, UTS (and, where the
+   kernel allows, cgroup) namespaces, as an unprivileged uid with no capabilities; it sees
+   the whole filesystem read-only (`/dev` a minimal read-only device set, `/proc` its own
+   PID namespace's, `/run` empty), with the workspace as the only writable bind, and has
+   no network (only a loopback of its own); it cannot make nested user namespaces
+   (bubblewrap 0.8+). `--new-session` stops it writing to our terminal;
+   `--die-with-parent` and the PID namespace mean nothing it starts outlives the run:
+   when the script ends, or at the wall-clock kill, bubblewrap's init (PID 1 of the
+   namespace) exits and the kernel kills every process left in the namespace before that
+   exit is seen. So a libc `system()`, a `setsid` child, a symlink swapped under a check,
+   a `dir_fd` outside, signals or priorities aimed at the harness all meet the kernel,
+   not Python code.
+2. **The Python guard** (always, inside bubblewrap too; alone with
+   `sandbox="python_guard"`). Before any agent code runs, the bootstrap
+   - sets rlimits on itself: CPU time (soft = ceil(cpu_s): SIGXCPU; hard one second
+     later: SIGKILL), address space, file size (a write past it fails with EFBIG, since
+     CPython ignores SIGXFSZ), core dumps off, and (unless it runs as uid 0, which
+     ignores it) RLIMIT_NPROC = 0, so the child can create neither processes nor
+     threads. The limits are set here rather than in a `preexec_fn` because `preexec_fn`
+     is unsafe when the caller has threads (the harness runs many executions at once).
+   - installs a `sys.addaudithook` hook (hooks cannot be removed) that raises
+     PermissionError for: `open`/`os.open` with a write, create, truncate or append flag
+     outside the workspace (`/dev/null` is allowed); `os.remove/rmdir/mkdir/rename/link/
+     symlink/chmod/chown/utime/truncate/chflags/setxattr/removexattr` outside it
+     (symlink: the link's location; rename and link: both ends); `os.chdir` out of it;
+     spawning processes (`subprocess.Popen`, `os.system`, `os.exec*`, `os.spawn*`,
+     `os.posix_spawn*`, `os.fork`, `os.forkpty`); signals to other processes (`os.kill`,
+     `os.killpg`); every socket operation; every ctypes operation (and importing ctypes);
+     raising rlimits. Paths are resolved with `os.path.realpath` (relative paths against
+     the cwd or, for a `dir_fd` the event reports, against that directory).
+   - replaces functions that raise no audit event with guarded versions:
+     `_posixsubprocess.fork_exec` (multiprocessing uses it), `os.mkfifo` / `os.mknod`,
+     `os.open` with a `dir_fd` (the `open` event does not report it), `os.setpriority`
+     and `os.pidfd_open` on other processes.
 
-The caller reads stdout and stderr concurrently, keeps the first `max_output_bytes` of each,
-and at `wall_s` kills the whole process group with SIGKILL; it also kills the group after a
-normal exit, so nothing the script left behind in its group survives the call.
+The caller reads stdout and stderr concurrently, keeps the first `max_output_bytes` of
+each, and at `wall_s` kills the sandbox (bubblewrap's init, then the process group); it
+also does so after a normal exit, so nothing the script left behind survives the call.
 
-This is a best-effort guard for cooperative-but-buggy code (infinite loops, memory bombs,
-fork bombs, giant files, writes to the wrong place), NOT a security boundary against a
-malicious agent. Known gaps: the audit hook lives in the same interpreter as the agent code,
-so code that rebinds the hook's helpers through `gc`/frame introspection, rebuilds an
-extension module (`importlib.util.module_from_spec` on `_posixsubprocess` or `posix`), or
-uses `os.open(name, dir_fd=fd)` with a relative name (the `open` event does not report the
-dir_fd, so the name is resolved against the cwd) can get around it; reads anywhere the OS
-allows are permitted; there is no disk quota beyond the per-file size (many files can fill
-the disk); there is no network namespace; and when the caller is root RLIMIT_NPROC is not
-enforced and a bypassing process could raise its own hard limits. For real isolation run
-the child in a container, a user/PID/network namespace, or under seccomp.
+`sandbox="auto"` (the config's default, `harness.sandbox`) uses bubblewrap when it works
+here (found on PATH and a probe run succeeds; probed once per binary and cached), else the
+guard alone, with a warning in the log (and, for an RL run, in `run_summary.json`:
+`sandbox_summary`). `sandbox="bwrap"` raises `SandboxUnavailable` instead of falling back.
+
+The guard alone is a best-effort net for cooperative-but-buggy code (infinite loops,
+memory bombs, fork bombs, giant files, writes to the wrong place), NOT a security
+boundary: the audit hook lives in the interpreter it guards, so a C call that raises no
+audit event (cffi's libc `system()`), a symlink swapped between the hook's check and the
+open, code that rebinds the hook's helpers through `gc`/frame introspection or rebuilds
+an extension module (`importlib.util.module_from_spec` on `_posixsubprocess` or `posix`)
+gets around it; and there is no network namespace. Under both: reads anywhere the OS lets
+the caller's user read are permitted; there is no disk quota beyond the per-file size
+(many files can fill the workspace's disk); when the caller is root, RLIMIT_NPROC is not
+enforced (bubblewrap's PID namespace still ends every process with the run).
+
+Running as root. bubblewrap maps the sandbox's user to the caller's: with a root caller,
+agent code has no capabilities, but the kernel still sees uid 0 as the owner of
+root-owned files. So it can read files only root may read, and connect to a unix socket
+root owns wherever one is visible (a read-only mount does not stop a connect; `/run` is
+hidden for that reason, sockets elsewhere are not). For a boundary against that too, run
+the harness as an unprivileged user.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,17 +86,204 @@ import tempfile
 import time
 from pathlib import Path
 
+from absl import logging
+
+from gyrejax.config import SANDBOXES
+
 _MIB = 1 << 20
 _KIB = 1 << 10
 _SAFE_PATH = "/usr/bin:/bin"
 # Once the script has exited, how long to keep reading output that something else in its
 # process group may still be writing before the group is killed.
 _DRAIN_AFTER_EXIT_S = 0.25
+# The uid and gid agent code has inside bubblewrap's user namespace ("nobody"): not 0, so
+# it holds no capabilities there even when the caller is root. Outside it is the caller.
+_SANDBOX_ID = "65534"
+# How long to wait for the kernel to empty a killed sandbox's PID namespace.
+_TEARDOWN_S = 5.0
+_PROBE_TIMEOUT_S = 20.0
+NOT_A_BOUNDARY = (
+    "agent code runs under the Python audit-hook guard only, which is NOT a security "
+    "boundary (libc calls, races and other known gaps get around it)"
+)
 
 
 class SandboxError(RuntimeError):
     """The sandboxed process could not be started (an infrastructure failure, not the
     script's fault)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """`sandbox="bwrap"` was asked for, but bubblewrap is missing or does not work here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxChoice:
+    """Which sandbox runs agent code (`choose_sandbox`).
+
+    Attributes:
+      requested: the mode asked for: "auto", "bwrap" or "python_guard".
+      used: "bwrap" (bubblewrap, with the Python guard inside) or "python_guard".
+      bwrap: the bubblewrap binary, when `used` is "bwrap".
+      reason: why bubblewrap is not used, when it was looked for ("" otherwise).
+    """
+
+    requested: str
+    used: str
+    bwrap: str | None = None
+    reason: str = ""
+
+    @property
+    def security_boundary(self) -> bool:
+        """Whether agent code is confined by the kernel (bubblewrap), not only by Python."""
+        return self.used == "bwrap"
+
+    def summary(self) -> dict:
+        """A JSON-able record for run summaries (says plainly when it is no boundary)."""
+        record = {
+            "requested": self.requested,
+            "used": self.used,
+            "security_boundary": self.security_boundary,
+        }
+        if not self.security_boundary:
+            record["warning"] = NOT_A_BOUNDARY
+            if self.reason:
+                record["reason"] = self.reason
+        return record
+
+
+def choose_sandbox(mode: str = "auto", *, bwrap: str | None = None) -> SandboxChoice:
+    """Resolves a sandbox mode to the sandbox that will run agent code.
+
+    bubblewrap is probed once per binary (a real run of the sandbox, cached for the
+    process), so calling this per environment or per run is cheap.
+
+    Args:
+      mode: "auto" (bubblewrap when it works, else the Python guard with a warning),
+        "bwrap" (bubblewrap or an error) or "python_guard" (the guard only).
+      bwrap: the bubblewrap binary (default: `bwrap` on PATH).
+
+    Returns:
+      A SandboxChoice.
+
+    Raises:
+      ValueError: `mode` is not one of SANDBOXES.
+      SandboxUnavailable: `mode` is "bwrap" and bubblewrap is missing or does not work.
+    """
+    if mode not in SANDBOXES:
+        raise ValueError(f"sandbox={mode!r}: expected one of {', '.join(SANDBOXES)}")
+    if mode == "python_guard":
+        return SandboxChoice(mode, "python_guard", reason="python_guard was asked for")
+    path = bwrap if bwrap is not None else shutil.which("bwrap")
+    problem = _probe_bwrap(path) if path else "bubblewrap (bwrap) is not on PATH"
+    if problem is None:
+        return SandboxChoice(mode, "bwrap", bwrap=path)
+    if mode == "bwrap":
+        raise SandboxUnavailable(
+            f"sandbox='bwrap': {problem}; install bubblewrap (Debian/Ubuntu package "
+            f"`bubblewrap`) or choose sandbox='auto' or 'python_guard'"
+        )
+    _warn_fallback(problem)
+    return SandboxChoice(mode, "python_guard", reason=problem)
+
+
+def sandbox_summary(mode: str, *, bwrap: str | None = None) -> dict:
+    """What `choose_sandbox(mode)` picks, as a JSON-able record for `run_summary.json`.
+
+    Never raises: an unknown mode or missing bubblewrap is recorded, not thrown (a run
+    that got as far as writing its summary has already been checked).
+
+    Args:
+      mode: the configured mode (`harness.sandbox`).
+      bwrap: the bubblewrap binary (default: `bwrap` on PATH).
+
+    Returns:
+      {"requested", "used", "security_boundary"} plus, without bubblewrap, "warning"
+      (it is not a security boundary) and "reason".
+    """
+    try:
+        return choose_sandbox(mode, bwrap=bwrap).summary()
+    except (ValueError, SandboxError) as e:
+        return {"requested": mode, "used": None, "security_boundary": False, "error": str(e)}
+
+
+@functools.cache
+def _warn_fallback(problem: str) -> None:
+    # Cached: one warning per reason per process, not one per environment or check.
+    logging.warning("sandbox: bubblewrap not used (%s); %s", problem, NOT_A_BOUNDARY)
+
+
+@functools.cache
+def _probe_bwrap(path: str) -> str | None:
+    """None if bubblewrap at `path` runs this Python in the sandbox we use, else why not.
+
+    A real run (not `--version`): a kernel without unprivileged user namespaces, or a
+    container that forbids them, has a bwrap that exists but cannot sandbox.
+    """
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        return f"bubblewrap {path!r} is not an executable file"
+    with tempfile.TemporaryDirectory(prefix="gyrejax-bwrap-probe-") as scratch:
+        root = Path(os.path.realpath(scratch))
+        argv = [
+            *_bwrap_argv(path, root, info_fd=None),
+            sys.executable, "-I", "-S", "-c", "open('probe', 'w').write('ok')",
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=_PROBE_TIMEOUT_S,
+                env={"PATH": _SAFE_PATH, "LANG": "C.UTF-8"},
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"bubblewrap {path!r} could not run: {e}"
+        if done.returncode != 0 or not (root / "probe").is_file():
+            last = _last_line(done.stderr.decode("utf-8", "replace")) or "no message"
+            return f"bubblewrap {path!r} does not work here (exit {done.returncode}: {last})"
+    return None
+
+
+@functools.cache
+def _can_disable_userns(bwrap: str) -> bool:
+    """Whether this bubblewrap has `--disable-userns` (0.8+): without it agent code could
+    make nested user namespaces, and hold every capability there (more kernel surface)."""
+    try:
+        done = subprocess.run([bwrap, "--help"], capture_output=True, timeout=_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return b"--disable-userns" in done.stdout + done.stderr
+
+
+def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
+    """bubblewrap's command line for a sandbox whose only writable place is `root`."""
+    argv = [
+        bwrap,
+        # Own user namespace as "nobody" with no capabilities; own PIDs (the harness and
+        # every other process are invisible, and all ours die with the namespace's init),
+        # own network (a loopback only), IPC, hostname, cgroup view.
+        "--unshare-user", "--uid", _SANDBOX_ID, "--gid", _SANDBOX_ID,
+        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+        "--unshare-cgroup-try", "--cap-drop", "ALL", "--hostname", "sandbox",
+        *(["--disable-userns"] if _can_disable_userns(bwrap) else []),
+        # Nothing outlives the run: killed with its parent; no controlling terminal.
+        "--die-with-parent", "--new-session",
+        # The system read-only; a minimal /dev (null, zero, urandom, ...); a /proc of its
+        # own; an empty /run: daemons keep their unix sockets there (docker, containerd,
+        # the system bus), and a read-only mount does not stop a connect (see the module
+        # docstring). The workspace is the one writable bind: /dev and /run are made
+        # read-only after it is bound (it may lie below one of them).
+        "--ro-bind", "/", "/",
+        "--dev", "/dev",
+        "--proc", "/proc",
+        "--tmpfs", "/run",
+        "--bind", str(root), str(root),
+        "--remount-ro", "/dev", "--remount-ro", "/run",
+        "--chdir", str(root),
+    ]  # fmt: skip
+    if info_fd is not None:  # bwrap writes {"child-pid": <its init, our pid space>, ...}
+        argv += ["--info-fd", str(info_fd)]
+    return [*argv, "--"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +321,9 @@ class RunResult:
     """What a sandboxed run did.
 
     Attributes:
-      returncode: the exit status; negative -N when signal N ended the process.
+      returncode: the exit status; negative -N when signal N ended the process. (Under
+        bubblewrap, which reports a signal as 128 + N, a script's own exit status in
+        129..128+NSIG reads as that signal.)
       stdout, stderr: decoded as UTF-8 (invalid bytes replaced), each at most
         `max_output_bytes` bytes before decoding.
       timed_out: the wall-clock limit passed and the process group was killed.
@@ -290,9 +510,31 @@ def _gyrejax_sandbox():
 
         return wrapper
 
+    # The `open` event does not report a dir_fd, so the hook resolves a relative name
+    # against the cwd; check writes relative to a directory fd here instead.
+    def guarded_open(path, flags, mode=0o777, *, dir_fd=None, _open=posix.open):
+        if dir_fd is not None and flags & write_flags:
+            check_inside("os.open", path, dir_fd)
+        return _open(path, flags, mode, dir_fd=dir_fd)
+
+    # Neither raises an audit event; both reach other processes (the harness).
+    def guarded_setpriority(which, who, priority, _set=posix.setpriority):
+        if not (which == posix.PRIO_PROCESS and who in (0, my_pid)):
+            refuse("os.setpriority", "only the script's own priority may change")
+        return _set(which, who, priority)
+
+    def guarded_pidfd_open(pid, flags=0, _open=getattr(posix, "pidfd_open", None)):
+        if pid != my_pid:
+            refuse("os.pidfd_open", "other processes are out of reach")
+        return _open(pid, flags)
+
     _posixsubprocess.fork_exec = fork_exec
+    replacements = {"open": guarded_open, "setpriority": guarded_setpriority}
+    if hasattr(posix, "pidfd_open"):
+        replacements["pidfd_open"] = guarded_pidfd_open
     for name in ("mkfifo", "mknod"):
-        wrapper = guarded(name, getattr(posix, name))
+        replacements[name] = guarded(name, getattr(posix, name))
+    for name, wrapper in replacements.items():
         setattr(posix, name, wrapper)
         setattr(os, name, wrapper)
 
@@ -315,26 +557,37 @@ exec(_gyrejax_code, {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
 
-def run_python(script: str, workspace: Path | str, limits: Limits | None = None) -> RunResult:
-    """Runs `script` with Python in a limited child process whose cwd is `workspace`.
+def run_python(
+    script: str,
+    workspace: Path | str,
+    limits: Limits | None = None,
+    *,
+    sandbox: str | SandboxChoice = "auto",
+) -> RunResult:
+    """Runs `script` with Python in a limited, sandboxed child process; cwd = `workspace`.
 
     Never hangs: the call returns within about `limits.wall_s` (plus process start-up and
     teardown), whatever the script does. The script's own failures (exceptions, refusals,
-    limits) are reported in the RunResult, never raised.
+    limits) are reported in the RunResult, never raised. When it returns, no process the
+    script started is left (under bubblewrap; the guard alone cannot promise that).
 
     Args:
       script: Python source, run as `__main__` (file name "<agent>").
       workspace: an existing directory: the cwd and the only writable place.
       limits: resource limits (default `Limits()`).
+      sandbox: a mode ("auto", "bwrap", "python_guard"; see `choose_sandbox`) or an
+        already made SandboxChoice.
 
     Returns:
       A RunResult.
 
     Raises:
-      ValueError: `workspace` is not an existing directory, or is "/".
-      SandboxError: the child process could not be started.
+      ValueError: `workspace` is not an existing directory, or is "/"; or a bad mode.
+      SandboxUnavailable: `sandbox="bwrap"` and bubblewrap does not work here.
+      SandboxError: the child process (or bubblewrap's sandbox) could not be started.
     """
     limits = Limits() if limits is None else limits
+    choice = sandbox if isinstance(sandbox, SandboxChoice) else choose_sandbox(sandbox)
     root = Path(workspace)
     if not root.is_dir():
         raise ValueError(f"workspace {str(workspace)!r}: expected an existing directory")
@@ -348,14 +601,22 @@ def run_python(script: str, workspace: Path | str, limits: Limits | None = None)
         str(root), str(max(1, math.ceil(limits.cpu_s))), str(limits.memory_bytes),
         str(limits.file_size_bytes), str(script_fd),
     ]  # fmt: skip
+    pass_fds = [script_fd]
+    info_read = info_write = None
+    if choice.used == "bwrap":
+        info_read, info_write = os.pipe()
+        args = _bwrap_argv(choice.bwrap, root, info_write) + args
+        pass_fds.append(info_write)
     env = {
         "PATH": _SAFE_PATH,
         "HOME": str(root),
         "TMPDIR": str(root),
+        "PWD": str(root),  # bubblewrap sets it anyway: the same environment under both
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
     }
     start = time.monotonic()
+    deadline = start + limits.wall_s
     try:
         proc = subprocess.Popen(
             args,
@@ -366,35 +627,121 @@ def run_python(script: str, workspace: Path | str, limits: Limits | None = None)
             env=env,
             start_new_session=True,
             close_fds=True,
-            pass_fds=(script_fd,),
+            pass_fds=pass_fds,
         )
     except OSError as e:
-        raise SandboxError(f"could not start the sandboxed python ({sys.executable}): {e}") from e
+        if info_read is not None:
+            os.close(info_read)
+        raise SandboxError(f"could not start the sandboxed python ({args[0]}): {e}") from e
     finally:
-        os.close(script_fd)
+        for fd in (script_fd, info_write):
+            if fd is not None:
+                os.close(fd)
+    init_pid = init_pidfd = None
     try:
-        stdout, stderr, timed_out = _collect(proc, start + limits.wall_s, limits.max_output_bytes)
+        if info_read is not None:
+            init_pid = _read_init_pid(info_read, deadline)
+            init_pidfd = None if init_pid is None else _open_init(proc, init_pid)
+        stdout, stderr, timed_out = _collect(proc, deadline, limits.max_output_bytes)
     finally:
-        # Kill the whole group before reaping: while the script is an unreaped zombie its pid
-        # (= the group id) cannot be reused, so this never hits another process.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        _end(proc, init_pidfd)
     wall_s = time.monotonic() - start
+    returncode = proc.returncode
+    if info_read is not None:
+        if init_pid is None and not timed_out:  # bubblewrap failed before its namespaces
+            reason = _last_line(stderr[0].decode("utf-8", "replace")) or f"exit {returncode}"
+            raise SandboxError(f"bubblewrap could not start the sandbox: {reason}")
+        # bubblewrap exits 128 + N when signal N ended the script (the shell's convention);
+        # report it as the signal, as a direct child's status would be.
+        if 128 < returncode < 128 + signal.NSIG:
+            returncode = 128 - returncode
     return RunResult(
-        returncode=proc.returncode,
+        returncode=returncode,
         stdout=stdout[0].decode("utf-8", "replace"),
         stderr=stderr[0].decode("utf-8", "replace"),
         timed_out=timed_out,
-        killed=proc.returncode < 0,
+        killed=returncode < 0,
         wall_s=wall_s,
         stdout_truncated=stdout[1],
         stderr_truncated=stderr[1],
     )
+
+
+def _read_init_pid(info_read: int, deadline: float) -> int | None:
+    """The pid of bubblewrap's init (PID 1 of the sandbox's PID namespace), or None.
+
+    bubblewrap writes JSON to its info fd once the namespaces exist and then closes it; it
+    exits without writing when it cannot create them. Closes `info_read`.
+    """
+    data = b""
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(info_read, selectors.EVENT_READ)
+            while (left := deadline - time.monotonic()) > 0 and selector.select(left):
+                chunk = os.read(info_read, 4096)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        os.close(info_read)
+    try:
+        return int(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _open_init(proc: subprocess.Popen, pid: int) -> int | None:
+    """A pidfd for bubblewrap's init `pid` (None if it has already gone).
+
+    The pidfd is what lets `_end` kill the whole namespace and wait until it is empty.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # already exited and reaped: the namespace is gone with it
+        return None
+    # The pid could have died and been reused before pidfd_open; it is bubblewrap's init
+    # only if its parent is our bubblewrap (which forks nothing else).
+    if _parent_pid(pid) != proc.pid:
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+def _parent_pid(pid: int) -> int | None:
+    """The parent of `pid` from /proc (None if it is gone)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return int(stat_line[stat_line.rindex(")") + 2 :].split()[1])
+
+
+def _end(proc: subprocess.Popen, init_pidfd: int | None) -> None:
+    """Kills what is left of the run and reaps it; closes `init_pidfd`."""
+    if init_pidfd is not None:
+        # Kill bubblewrap's init while its parent (our bubblewrap) is alive to reap it. The
+        # kernel kills every other process in the namespace, and waits for them, before
+        # the init's exit is seen, so once the pidfd is readable the sandbox is empty.
+        try:
+            signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(init_pidfd, selectors.EVENT_READ)
+                selector.select(_TEARDOWN_S)
+        finally:
+            os.close(init_pidfd)
+    # Kill the whole group before reaping: while the child is an unreaped zombie its pid
+    # (= the group id) cannot be reused, so this never hits another process.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def _script_fd(script: str) -> int:

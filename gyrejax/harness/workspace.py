@@ -6,14 +6,18 @@ mistakes: a refused path or a full workspace is an observation that says exactly
 
 Confinement. A path must be relative, non-empty, free of NUL and other control characters,
 without a `..` component, at most `max_path_bytes` bytes (and each component at most
-`max_name_bytes`), and it must resolve (`os.path.realpath`, symlinks followed) inside the
-root. So a symlink placed in the workspace (for example by agent code run in the sandbox)
-that points outside is refused whether it is the file itself or a directory on the way.
-`.` and empty components are dropped ("./a//b.txt" is "a/b.txt"). The final open uses
-O_NOFOLLOW and O_NONBLOCK and only regular files are read, so a symlink swapped in after
-the check or a FIFO left by agent code cannot redirect or block a tool. (Another process
-renaming directories concurrently could still race the check; executions do not share
-workspaces, and tools and agent code of one execution do not run at the same time.)
+`max_name_bytes`), and it must resolve (`os.path.realpath`, symlinks followed) to itself
+inside the root: a symlink anywhere on the way is refused, with a message saying where
+it leads. `.` and empty components are dropped ("./a//b.txt" is "a/b.txt").
+
+That check gives the message; the opens enforce it. Files are opened by `open_beneath`:
+from a descriptor of the root, one component at a time relative to its parent's
+descriptor (openat-style, `dir_fd`), each with O_NOFOLLOW, so a symlink anywhere on the
+path, even one swapped in after the check (agent code racing the tool), fails the open
+instead of leading outside. Only regular files are read (O_NONBLOCK: a FIFO left by agent
+code cannot block a tool), and `write` refuses a file with more than one hard link (a link
+planted in the workspace to a file outside would otherwise be overwritten through it); the
+link count is checked on the open descriptor before the file is truncated.
 """
 
 from __future__ import annotations
@@ -106,24 +110,31 @@ class Workspace:
             kind = "a directory" if target.is_dir() else "not a regular file"
             return f"refused: '{relative}' exists and is {kind}"
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Re-check after creating parents: nothing on the way may have become a link out.
-            again = self._check(relative)
-            if isinstance(again, str):
-                return again
-            fd = os.open(
-                target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644
+            # No O_TRUNC: the file is truncated only once its descriptor shows it is ours.
+            fd = open_beneath(
+                self.root, relative, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, make_parents=True
             )
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return f"refused: '{relative}' exists and is not a regular file"
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
+        except OSError as e:
+            return _open_refusal(e, relative) or (
+                f"error: cannot write '{relative}': {_os_reason(e, relative)}"
+            )
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return f"refused: '{relative}' exists and is not a regular file"
+            if info.st_nlink > 1:
+                return (
+                    f"refused: '{relative}' has {info.st_nlink} hard links (it may be a file "
+                    f"outside the workspace); write to a new path instead"
+                )
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
         except OSError as e:
             return f"error: cannot write '{relative}': {_os_reason(e, relative)}"
+        finally:
+            os.close(fd)
         return f"wrote '{relative}' ({len(data)} bytes)"
 
     def read(self, path: str) -> str:
@@ -131,14 +142,16 @@ class Workspace:
         checked = self._check(path)
         if isinstance(checked, str):
             return checked
-        relative, target = checked
+        relative, _ = checked
         try:
-            data = _read_regular(target, self.max_file_bytes + 1)
+            data = _read_regular(self.root, relative, self.max_file_bytes + 1)
+        except IsADirectoryError:
+            return f"error: '{relative}' is a directory; use ls to see its files"
         except OSError as e:
-            return f"error: cannot read '{relative}': {_os_reason(e, relative)}"
+            return _open_refusal(e, relative) or (
+                f"error: cannot read '{relative}': {_os_reason(e, relative)}"
+            )
         if data is None:
-            if target.is_dir():
-                return f"error: '{relative}' is a directory; use ls to see its files"
             return f"error: '{relative}' is not a regular file"
         truncated = len(data) > self.max_file_bytes
         data = data[: self.max_file_bytes]
@@ -171,7 +184,7 @@ class Workspace:
         out = {}
         for relative in sorted(self._sizes()):
             try:
-                data = _read_regular(self.root / relative)
+                data = _read_regular(self.root, relative)
             except OSError:
                 continue
             if data is not None:
@@ -185,7 +198,7 @@ class Workspace:
         if isinstance(checked, str):
             return None
         try:
-            return _read_regular(checked[1], max_bytes)
+            return _read_regular(self.root, checked[0], max_bytes)
         except OSError:
             return None
 
@@ -254,12 +267,79 @@ class Workspace:
         return {relative: info.st_size for relative, info in self._walk()}
 
 
-def _read_regular(path: Path, max_bytes: int | None = None) -> bytes | None:
-    """Reads a regular file without following a final symlink or blocking on a FIFO;
-    None if `path` is not a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+def open_beneath(root: Path | str, relative: str, flags: int, *, make_parents: bool = False) -> int:
+    """Opens `root/relative` without following a symlink anywhere below `root`.
+
+    Walks the path one component at a time: each directory is opened relative to its
+    parent's descriptor with O_DIRECTORY | O_NOFOLLOW, and the last component with
+    O_NOFOLLOW, so the kernel refuses a symlink at any step, even one put there after a
+    path check (a plain `open(root / relative)` would follow a swapped-in link in the
+    middle of the path).
+
+    Args:
+      root: the directory the path is confined to (itself opened normally).
+      relative: a normalised relative path: no "", ".", ".." or absolute components.
+      flags: `os.open` flags for the last component (O_NOFOLLOW and O_CLOEXEC are added);
+        with O_CREAT the file is created with mode 0o644.
+      make_parents: create missing directories on the way (mode 0o755).
+
+    Returns:
+      An open file descriptor; the caller closes it.
+
+    Raises:
+      OSError: as `os.open` does; ELOOP when a component is a symlink.
+    """
+    parts = relative.split("/")
+    if not all(parts) or any(p in (".", "..") for p in parts):
+        raise ValueError(f"open_beneath: {relative!r} is not a normalised relative path")
+    directory_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        for name in parts[:-1]:
+            try:
+                child = os.open(name, directory_flags, dir_fd=fd)
+            except FileNotFoundError:
+                if not make_parents:
+                    raise
+                try:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                except FileExistsError:  # made meanwhile: the open below checks what it is
+                    pass
+                child = _open_directory(name, directory_flags, fd)
+            except NotADirectoryError:
+                child = _open_directory(name, directory_flags, fd)
+            os.close(fd)
+            fd = child
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _open_directory(name: str, flags: int, dir_fd: int) -> int:
+    """Opens a directory component; ELOOP (not ENOTDIR) when it is a symlink, so callers
+    can tell a link on the way from a file in the way."""
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except NotADirectoryError:
+        if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise OSError(errno.ELOOP, "a symlink on the way (not followed)", name) from None
+        raise
+
+
+def _read_regular(root: Path, relative: str, max_bytes: int | None = None) -> bytes | None:
+    """Reads a regular file under `root` (see `open_beneath`) without blocking on a FIFO;
+    None if it is not a regular file.
+
+    Raises:
+      IsADirectoryError: it is a directory.
+      OSError: it cannot be opened (ELOOP: a symlink on the way or at the end).
+    """
+    fd = open_beneath(root, relative, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", relative)
+        if not stat.S_ISREG(mode):
             return None
         chunks = []
         remaining = max_bytes
@@ -273,6 +353,13 @@ def _read_regular(path: Path, max_bytes: int | None = None) -> bytes | None:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _open_refusal(error: OSError, relative: str) -> str | None:
+    """The refusal for an open that met a symlink (ELOOP), else None."""
+    if error.errno == errno.ELOOP:
+        return f"refused: '{relative}' goes through a symlink (symlinks are not followed)"
+    return None
 
 
 def _os_reason(error: OSError, relative: str) -> str:

@@ -49,6 +49,7 @@ from gyrejax.cells import Cell
 from gyrejax.config import Config, ConfigError
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
+from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
 from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
@@ -130,7 +131,7 @@ class Runtime:
         self.cells = cells
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.env = get_environment(config.harness.environment)
+        self.env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
         self.trainer = self._make_trainer(model)
         self.checkpointer = TrainCheckpointer(self.workdir / "checkpoints", config.checkpoint)
         self.store = ExecutionStore(self.workdir / "executions")
@@ -700,6 +701,8 @@ class Runtime:
             "cell_s": dict(self.cell_time),
             "over_stale": self.over_stale,
             "schedule": _schedule_fields(self.config, len(self.cells)),
+            # Which sandbox ran agent code; without bubblewrap it says it is no boundary.
+            "sandbox": sandbox_summary(self.config.harness.sandbox),
         }
         (self.workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         logging.info("run finished: %s", summary)

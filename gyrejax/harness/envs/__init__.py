@@ -8,6 +8,10 @@
 The built-in environments register themselves when their module is imported; the registry
 imports them on first use, so `get_environment("mini_repo")` works without importing
 `gyrejax.harness.envs.mini_repo` first.
+
+The harness and the stages build environments with
+`get_environment(name, sandbox=config.harness.sandbox)`, so a factory takes a `sandbox`
+keyword: the mode (`gyrejax.harness.sandbox.choose_sandbox`) for any agent code it runs.
 """
 
 from __future__ import annotations

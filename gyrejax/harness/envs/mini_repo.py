@@ -25,8 +25,9 @@ Checks. Text file: exists, length, exact content (one trailing newline is tolera
 Module: exists, defines the function, and its result on three hidden inputs (an `int`
 equal to the expected one). Visible checks (the agent's `check` tool) are a subset: a text
 file's existence and length, a module's existence, definition and first hidden input.
-Checks that execute agent code run in `sandbox.run_python` with limits, so a module that
-loops or eats memory fails its checks; only an evaluation that could not run at all raises
+Checks that execute agent code run in `sandbox.run_python` with limits, under the
+configured sandbox (bubblewrap where it works), so a module that loops or eats memory
+fails its checks; only an evaluation that could not run at all raises
 `EvaluationError`.
 
 Action syntax (one action per model turn, plain text; `parse_action` / `format_action`):
@@ -57,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.harness.envs import register_environment
-from gyrejax.harness.sandbox import Limits, SandboxError, run_python
+from gyrejax.harness.sandbox import Limits, SandboxError, choose_sandbox, run_python
 from gyrejax.harness.workspace import Workspace
 
 LEVELS = (1, 2, 3)
@@ -342,15 +343,23 @@ class MiniRepoEnv:
       limits: sandbox limits for checks that run agent code.
       fail_evaluations: the next this-many `score` calls raise EvaluationError (for tests
         of the harness's retry path).
+      sandbox: how checks that run agent code are confined (`harness.sandbox`: "auto",
+        "bwrap" or "python_guard"; see `sandbox.choose_sandbox`), resolved here, once.
+
+    Raises:
+      SandboxUnavailable: `sandbox="bwrap"` and bubblewrap does not work here.
     """
 
     name = "mini_repo"
 
-    def __init__(self, *, limits: Limits | None = None, fail_evaluations: int = 0):
+    def __init__(
+        self, *, limits: Limits | None = None, fail_evaluations: int = 0, sandbox: str = "auto"
+    ):
         if not (isinstance(fail_evaluations, int) and fail_evaluations >= 0):
             raise ValueError(
                 f"mini_repo fail_evaluations={fail_evaluations!r}: expected an int >= 0"
             )
+        self.sandbox = choose_sandbox(sandbox)
         self.limits = _SCORING_LIMITS if limits is None else limits
         self._fail_evaluations = fail_evaluations
         self._lock = threading.Lock()
@@ -466,7 +475,7 @@ class MiniRepoEnv:
             cases=json.dumps([[c.argument, c.expected] for c in calls]),
         )
         try:
-            run = run_python(script, root, self.limits)
+            run = run_python(script, root, self.limits, sandbox=self.sandbox)
         except (SandboxError, ValueError) as e:
             raise EvaluationError(f"checker for {goal.path} could not start: {e}") from e
         reports = {}
