@@ -162,7 +162,7 @@ class Runtime:
         self.cell_time = dict.fromkeys(("busy", *IDLE_CAUSES), 0.0)
         self._cell_time_at_step = dict(self.cell_time)
         self._phase: dict[int, str] = {}  # cell -> "queued" | "wait_boundary" | "switch"
-        self._gate_closed = False
+        self._gate_closed = False  # the gate allowed no more dispatch at the last decision
         self.over_stale = 0  # groups trained more than max_staleness versions late
         self._transitions: asyncio.Queue = asyncio.Queue()
         self._changed: asyncio.Event | None = None
@@ -352,10 +352,10 @@ class Runtime:
             )
             self.store.put(execution, overwrite=True)  # persisted as soon as it ends
             group.executions[execution_id] = execution
+            record = {"execution": execution_id, "group": group.group_id, "started_s": started}
+            record.update(finished_s=self._now(), status=execution.status)
             with open(self.workdir / "executions.jsonl", "a") as f:  # for calibration
-                f.write(json.dumps({"execution": execution_id, "group": group.group_id,
-                                    "started_s": started, "finished_s": self._now(),
-                                    "status": execution.status}) + "\n")  # fmt: skip
+                f.write(json.dumps(record) + "\n")
             self._notify()
 
         await asyncio.gather(*(one(i) for i in members))
@@ -388,8 +388,8 @@ class Runtime:
         for g in group_ids:
             self.ready.remove(g)
         gate = self.config.scheduler.max_staleness
-        late = [g for g in group_ids if gate is not None
-                and self.trainer.version - self.groups[g].version > gate]  # fmt: skip
+        stale = {g: self.trainer.version - self.groups[g].version for g in group_ids}
+        late = [g for g, s in stale.items() if gate is not None and s > gate]
         if late:  # never silent: step_groups only does this when nothing better exists
             self.over_stale += len(late)
             logging.warning("groups %s are trained more than %d versions late", late, gate)
