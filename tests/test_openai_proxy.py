@@ -27,7 +27,7 @@ from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.rollout.types import SamplingParams
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.serve.wire import execution_from_json
-from gyrejax.trajectory import ExecutionStore, build_tree
+from gyrejax.trajectory import Execution, ExecutionStore, build_tree
 
 SPEC = "make a.txt say hello"
 MAX_TOKENS = 96
@@ -403,6 +403,42 @@ def test_concurrent_executions_stay_separate_and_finish_cancels_in_flight():
     assert late.json()["choices"][0]["finish_reason"] == "cancelled"
     assert after.status_code == 404
     assert (counters.dispatched, counters.finished) == (3, 3)
+
+
+# --- stored records are never replaced -------------------------------------------------------
+
+
+def test_a_stored_execution_is_never_replaced_through_the_door(tmp_path):
+    """The audit's loss: starting a stored id again and finishing it replaced a record of 1
+    call with reward 1.0 by one of 0 calls with reward 0.0. A stored id is now a 409 at
+    start, and a record stored by another writer while an execution runs is kept: finish
+    answers 409 with its own record, which is stored nowhere."""
+    answers = {("x", "main"): ["first"], ("y", "main"): ["mine"]}
+
+    async def body():
+        store = ExecutionStore(tmp_path / "executions")
+        async with serving(scripted(answers), store=store) as (_, _, http):
+            await start(http, "x")
+            call = await http.post(CHAT, headers=AUTH, json={"messages": OPENING})
+            assert call.status_code == 200, call.text
+            await finish(http, "x", reward=1.0)
+            again = await http.post("/v1/executions", json={"execution_id": "x"})
+            await start(http, "y")
+            await http.post(CHAT, headers={"Authorization": "Bearer y"}, json={"messages": OPENING})
+            other = Execution("y", task_id="other", group_id="g", calls=[], reward=0.25)
+            store.put(other)  # another writer, while y runs
+            late = await http.post("/v1/executions/y/finish", json={"reward": 1.0})
+            return again, late, store.get("x"), store.get("y")
+
+    again, late, x, y = asyncio.run(body())
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["param"] == "execution_id"
+    assert "already stored" in again.json()["error"]["message"]
+    assert (len(x.calls), x.reward) == (1, 1.0)  # untouched
+    assert late.status_code == 409 and "NOT stored" in late.json()["error"]["message"]
+    returned = execution_from_json(late.json()["execution"])  # the client still has it
+    assert (len(returned.calls), returned.reward) == (1, 1.0)
+    assert (y.task_id, y.reward, len(y.calls)) == ("other", 0.25, 0)  # the other writer's
 
 
 # --- malformed requests ---------------------------------------------------------------------

@@ -20,17 +20,27 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
 class HttpError(Exception):
-    """An error with the HTTP status to answer it with."""
+    """An error with the HTTP status to answer it with (`extra`: more top-level fields
+    of the answer, e.g. a record the request produced but could not store)."""
 
-    def __init__(self, status: int, message: str, kind: str, field: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        field: str | None = None,
+        extra: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.field = field
+        self.extra = extra or {}
 
 
-def error_response(status: int, message: str, kind: str, field: str | None = None):
-    return web.json_response(error_body(message, kind, field), status=status)
+def error_response(status: int, message: str, kind: str, field: str | None = None, extra=None):
+    body = {**error_body(message, kind, field), **(extra or {})}
+    return web.json_response(body, status=status)
 
 
 @web.middleware
@@ -41,7 +51,7 @@ async def errors_middleware(request: web.Request, handler):
     except FieldError as e:
         return error_response(400, str(e), "invalid_request_error", e.field)
     except HttpError as e:
-        return error_response(e.status, str(e), e.kind, e.field)
+        return error_response(e.status, str(e), e.kind, e.field, e.extra)
     except web.HTTPException as e:  # aiohttp's own (404 route, 405 method, 413 size)
         return error_response(e.status, e.reason, "invalid_request_error")
     except Exception as e:  # a bug: log it with its traceback, answer, keep serving

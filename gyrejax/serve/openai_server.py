@@ -9,7 +9,8 @@ Lifecycle of an execution (explicit, so the scheduler's counters stay true and a
 client cannot create executions nobody will collect):
 
   POST /v1/executions {"execution_id"?, "task_id"?, "group_id"?}
-      -> {"execution_id", "api_key"}: counts it dispatched; the id is the API key.
+      -> {"execution_id", "api_key"}: counts it dispatched; the id is the API key. 409 if
+      the id is running or already stored: a stored record is never replaced.
   ... the harness calls /v1/chat/completions or /v1/completions with
       `Authorization: Bearer <execution id>` (what an OpenAI client sends as its API
       key) or `X-Gyrejax-Execution: <execution id>` (wins over the bearer token).
@@ -18,7 +19,9 @@ client cannot create executions nobody will collect):
   POST /v1/executions/{id}/finish {"status"?, "reward"?, "eval_attempts"?}
       -> the `Execution` record as JSON (calls with token ids); requests still in
       flight are cancelled first, and the record is put in the `ExecutionStore` if the
-      server has one. Later requests with that key get 404.
+      server has one, never over a stored record: if one appeared meanwhile, the answer
+      is a 409 carrying this record under "execution" (nothing is lost or replaced).
+      Later requests with that key get 404.
   GET /v1/executions/{id} -> {"execution_id", "calls", "in_flight"}.
 
 Chat prompts come from a `ChatTemplate` (the byte layout by default). Assistant turns
@@ -149,6 +152,14 @@ class OpenAIServer(Site):
                 "conflict",
                 "execution_id",
             )
+        if self.store is not None and execution_id in self.store:
+            # Finishing it would have to replace the stored record: refuse now, not then.
+            raise HttpError(
+                409,
+                f"execution_id: {execution_id!r} is already stored; pick a new id",
+                "conflict",
+                "execution_id",
+            )
         state = _Execution(
             execution_id,
             task_id=wire.as_str(get(body, "task_id", default=""), "task_id"),
@@ -197,9 +208,26 @@ class OpenAIServer(Site):
             reward=reward,
             eval_attempts=attempts,
         )
+        record = wire.execution_to_json(execution)
         if self.store is not None:  # durable before we answer: a crash loses nothing
-            await asyncio.to_thread(self.store.put, execution, overwrite=True)
-        return web.json_response(wire.execution_to_json(execution))
+            try:  # never over a stored record (put refuses atomically)
+                await asyncio.to_thread(self.store.put, execution)
+            except FileExistsError:
+                logging.error(
+                    "execution %s: a record with this id was stored while it ran; the "
+                    "stored one is kept, this one is returned to the client only",
+                    execution.execution_id,
+                )
+                raise HttpError(
+                    409,
+                    f"execution_id: {execution.execution_id!r} was stored by another writer "
+                    "while it ran; the stored record is kept and this one is NOT stored "
+                    "(it is in this answer under 'execution')",
+                    "conflict",
+                    "execution_id",
+                    extra={"execution": record},
+                ) from None
+        return web.json_response(record)
 
     def _known(self, execution_id: str, source: str) -> _Execution:
         state = self._executions.get(execution_id)
