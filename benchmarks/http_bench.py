@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import socket
 import tempfile
 import time
@@ -57,9 +58,10 @@ async def jax_pair(model, prompts, new_tokens, reps) -> dict:
     finally:
         await local.shutdown()
     served = engine()
-    server = EngineServer(served)
+    token = secrets.token_urlsafe(32)  # authenticated, as every engine server is
+    server = EngineServer(served, token=token)
     url = await server.start("127.0.0.1", 0)
-    remote = await HttpEngine.connect(url)
+    remote = await HttpEngine.connect(url, token=token)
     try:
         over_http = await throughput(remote, prompts, new_tokens, reps)
     finally:

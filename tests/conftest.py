@@ -101,13 +101,20 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# The engine token of test engine servers (tests that reach them with a Runtime set it
+# as GYREJAX_ENGINE_TOKEN, which HttpEngine reads).
+ENGINE_TOKEN = "test-engine-token-0123456789"
+
+
 def start_engine_server(name: str, *flags: str) -> tuple[subprocess.Popen, str]:
     """A gyrejax engine server named `name` in a subprocess (`python -m
-    gyrejax.serve.engine_server`); returns it and its URL once it serves."""
+    gyrejax.serve.engine_server`) requiring `ENGINE_TOKEN` (given in its environment,
+    as a deployment would); returns it and its URL once it serves."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "GYREJAX_ENGINE_TOKEN": ENGINE_TOKEN}
     server = subprocess.Popen(
         [sys.executable, "-m", "gyrejax.serve.engine_server", "--port=0", f"--name={name}",
          *flags],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     banner = server.stdout.readline()
     if not banner.startswith(f"serving engine {name} at "):

@@ -3,12 +3,15 @@ engines exactly as to local ones (in-process servers on free ports, and a server
 subprocess that is killed or frozen mid-request)."""
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import numpy as np
 import pytest
-from conftest import start_engine_server
+from conftest import ENGINE_TOKEN, start_engine_server
 
 from gyrejax.config import ModelConfig
 from gyrejax.model.hf_io import export_hf, load_hf
@@ -39,11 +42,12 @@ def model():
     return init_model(CONFIG, seed=1)
 
 
-async def remote_fleet(engines, **client):
-    """Each engine behind its own EngineServer; returns (servers, HttpEngine clients)."""
-    servers = [EngineServer(e) for e in engines]
+async def remote_fleet(engines, weights_dir=None, **client):
+    """Each engine behind its own EngineServer (token `ENGINE_TOKEN`, weights from
+    `weights_dir` only); returns (servers, HttpEngine clients)."""
+    servers = [EngineServer(e, token=ENGINE_TOKEN, weights_dir=weights_dir) for e in engines]
     urls = [await s.start() for s in servers]
-    return servers, [await HttpEngine.connect(url, **client) for url in urls]
+    return servers, [await HttpEngine.connect(url, token=ENGINE_TOKEN, **client) for url in urls]
 
 
 async def close(servers, clients):
@@ -64,7 +68,7 @@ def test_proxy_over_http_engines_drains_by_resubmit_and_publishes_weights(model,
             JaxEngine(f"e{i}", model, max_slots=4, max_seq_len=128, decode_steps=2)
             for i in range(2)
         ]
-        servers, remote = await remote_fleet(local)
+        servers, remote = await remote_fleet(local, weights_dir=tmp_path)
         proxy = Proxy(remote)
         try:
             info = [(r.name, r.capacity, r.version, r.exports_kv) for r in remote]
@@ -109,7 +113,9 @@ def test_a_dead_or_frozen_server_is_retried_on_the_other(failure):
 
         async def body():
             servers, (near,) = await remote_fleet([ScriptedEngine("near", scripted_answer)])
-            far = await HttpEngine.connect(far_url, poll_interval_s=0.1, status_timeout_s=1.0)
+            far = await HttpEngine.connect(
+                far_url, token=ENGINE_TOKEN, poll_interval_s=0.1, status_timeout_s=1.0
+            )
             proxy = Proxy([far, near], hang_timeout_s=1.0)
             try:
                 call = asyncio.create_task(
@@ -139,7 +145,7 @@ def test_a_dead_or_frozen_server_is_retried_on_the_other(failure):
 def test_malformed_engine_requests_are_refused_by_field_and_the_server_keeps_serving(tmp_path):
     async def body():
         engine = ScriptedEngine("e", scripted_answer, delay_s=0.2)
-        servers, (remote,) = await remote_fleet([engine])
+        servers, (remote,) = await remote_fleet([engine], weights_dir=tmp_path)
         url = servers[0].url
         try:
             bad = {
@@ -193,7 +199,8 @@ def test_malformed_engine_requests_are_refused_by_field_and_the_server_keeps_ser
                 "export": [({"request_id": "nobody"}, "request_id")],
             }
             answers = []
-            async with httpx.AsyncClient(base_url=f"{url}/v1/engine") as http:
+            auth = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
+            async with httpx.AsyncClient(base_url=f"{url}/v1/engine", headers=auth) as http:
                 for endpoint, cases in bad.items():
                     for payload, field in cases:
                         kwargs = (
@@ -239,7 +246,7 @@ def test_vllm_client_names_what_the_server_lacks():
     from gyrejax.serve.vllm_server_engine import VllmServerEngine
 
     async def go():
-        server = EngineServer(ScriptedEngine("e", scripted_answer))
+        server = EngineServer(ScriptedEngine("e", scripted_answer), token=ENGINE_TOKEN)
         url = await server.start()
         try:
             with pytest.raises(ValueError, match="VLLM_SERVER_DEV_MODE=1"):
@@ -250,3 +257,105 @@ def test_vllm_client_names_what_the_server_lacks():
             await VllmServerEngine.connect(url, name="v")  # nothing listens there now
 
     asyncio.run(go())
+
+
+class ReleaseCounter(ScriptedEngine):
+    """A scripted engine that counts release_memory calls."""
+
+    released = 0
+
+    async def release_memory(self) -> None:
+        self.released += 1
+
+
+def test_engine_servers_need_the_token_and_load_weights_only_from_their_directory(
+    tmp_path, monkeypatch
+):
+    """The audit drove an engine with `update_weights {"path": "/etc"}` and
+    `release_memory`, no credentials needed. Now every endpoint but /health needs the
+    token, and weights load only from under --weights_dir, symlinks resolved."""
+    published, outside = tmp_path / "published", tmp_path / "outside"
+    (published / "version_1").mkdir(parents=True)
+    outside.mkdir()
+    (published / "escape").symlink_to(outside)
+    engine = ReleaseCounter("e", scripted_answer)
+    monkeypatch.delenv("GYREJAX_ENGINE_TOKEN", raising=False)
+
+    async def body():
+        server = EngineServer(engine, token=ENGINE_TOKEN, weights_dir=published)
+        url = await server.start()
+        try:
+            request = {"request": {"request_id": "r", "prompt_ids": [1, 2]}}
+            calls = [
+                ("GET", "status", None),
+                ("POST", "submit", request),
+                ("POST", "import", {"live": request}),
+                ("POST", "export", {"request_id": "r"}),
+                ("POST", "cancel", {"request_id": "r"}),
+                ("POST", "update_weights", {"path": str(published / "version_1"), "version": 1}),
+                ("POST", "release_memory", {}),
+                ("POST", "resume", {}),
+            ]
+            wrong = {"Authorization": "Bearer not-the-engine-token-0123"}
+            async with httpx.AsyncClient(base_url=f"{url}/v1/engine") as http:
+                refused = [
+                    await http.request(method, path, json=payload, headers=headers)
+                    for headers in ({}, wrong, {"Authorization": ENGINE_TOKEN})  # no "Bearer"
+                    for method, path, payload in calls
+                ]
+                health = await http.get(f"{url}/health")
+                auth = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
+                paths = {
+                    "/etc": "/etc",
+                    "dot-dot": str(published / ".." / "outside"),
+                    "symlink out": str(published / "escape"),
+                    "relative": "outside",
+                }
+                confined = {
+                    what: await http.post(
+                        "update_weights", headers=auth, json={"path": path, "version": 1}
+                    )
+                    for what, path in paths.items()
+                }
+            with pytest.raises(ValueError, match="missing or wrong token"):
+                await HttpEngine.connect(url)  # no token given, none in the environment
+            monkeypatch.setenv("GYREJAX_ENGINE_TOKEN", ENGINE_TOKEN)
+            remote = await HttpEngine.connect(url)  # the environment's token
+            await remote.update_weights(published / "version_1", 2)
+            await remote.release_memory()
+            await remote.shutdown()
+            return refused, health, confined, remote.version
+        finally:
+            await server.stop()
+
+    refused, health, confined, version = asyncio.run(body())
+    for answer in refused:
+        assert answer.status_code == 401, (answer.request.url, answer.text)
+        assert answer.json()["error"]["param"] == "Authorization"
+    assert engine.released == 1 and version == 2  # only the authenticated calls got through
+    assert health.status_code == 200 and health.json() == {"ok": True}
+    for what, answer in confined.items():
+        error = answer.json()["error"]
+        assert answer.status_code == 403, (what, answer.text)
+        assert error["param"] == "path" and "outside" in error["message"], what
+    assert "'/etc'" in confined["/etc"].json()["error"]["message"]
+
+    with pytest.raises(ValueError, match="no token"):
+        EngineServer(engine, token=None)
+    with pytest.raises(ValueError, match="at least 16"):
+        EngineServer(engine, token="short")
+
+    async def open_server():
+        server = EngineServer(engine, token=None, insecure_no_auth=True)
+        with pytest.raises(ValueError, match="loopback"):
+            await server.start("0.0.0.0")
+
+    asyncio.run(open_server())
+    # The command line refuses to start without a token, before loading any model.
+    env = {k: v for k, v in os.environ.items() if k != "GYREJAX_ENGINE_TOKEN"}
+    run = subprocess.run(
+        [sys.executable, "-m", "gyrejax.serve.engine_server", "--engine=scripted"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "no token: give --token or set GYREJAX_ENGINE_TOKEN" in run.stderr, run.stderr

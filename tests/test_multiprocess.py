@@ -7,10 +7,14 @@ model call over HTTP and its satellite training in every step."""
 
 import json
 import os
+import pathlib
+import re
 import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import jax
 import numpy as np
 from conftest import REPO_ROOT, call_logprobs, load_config_file, read_jsonl
@@ -243,11 +247,22 @@ def test_rl_across_two_processes_through_launch(tmp_path):
         "--config.warmup.demonstrations=8", "--config.warmup.groups_per_step=4",
     ]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu", LOG_DIR=str(logs))
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400
-    )
+    env.pop("GYREJAX_ENGINE_TOKEN", None)  # the job draws its own
+    logs.mkdir(parents=True)
+    with open(logs / "launch.out", "w+") as out:
+        job = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=out)
+        try:
+            refused = probe_follower_engine(logs / "gyrejax_process_1.log", job)
+            returncode = job.wait(timeout=400)
+        finally:
+            job.kill()
+            job.wait()
+        out.seek(0)
+        stdout = out.read()
     follower_log = (logs / "gyrejax_process_1.log").read_text()
-    assert done.returncode == 0, done.stdout[-3000:] + "\nprocess 1:\n" + follower_log[-3000:]
+    assert returncode == 0, stdout[-3000:] + "\nprocess 1:\n" + follower_log[-3000:]
+    # Process 1's engine refused requests without the run's token (only process 0 has it).
+    assert refused == {"status": 401, "update_weights": 401}, refused
 
     layout = json.loads((workdir / "layout.json").read_text())
     assert [c["process"] for c in layout["cells"]] == [0, 0, 1, 1]
@@ -292,6 +307,24 @@ def test_rl_across_two_processes_through_launch(tmp_path):
         )
     summary = json.loads((workdir / "run_summary.json").read_text())
     assert summary["steps"] == 3
+
+
+def probe_follower_engine(log: pathlib.Path, job: subprocess.Popen) -> dict:
+    """Once process 1 serves its engine, asks it for its status and to load /etc without
+    the run's token; returns the HTTP statuses (empty if the job ended first)."""
+    while job.poll() is None:
+        text = log.read_text() if log.exists() else ""
+        found = re.search(r"serving engine cell3 at (http://\S+)", text)
+        if found:
+            url = f"{found.group(1)}/v1/engine"
+            return {
+                "status": httpx.get(f"{url}/status", timeout=30).status_code,
+                "update_weights": httpx.post(
+                    f"{url}/update_weights", json={"path": "/etc", "version": 9}, timeout=30
+                ).status_code,
+            }
+        time.sleep(0.5)
+    return {}
 
 
 def start_logprobs(workdir, call) -> np.ndarray:

@@ -10,6 +10,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import zlib
 
 import httpx
@@ -27,7 +30,7 @@ from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.rollout.types import SamplingParams
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.serve.wire import execution_from_json
-from gyrejax.trajectory import ExecutionStore, build_tree
+from gyrejax.trajectory import Execution, ExecutionStore, build_tree
 
 SPEC = "make a.txt say hello"
 MAX_TOKENS = 96
@@ -67,11 +70,17 @@ def scripted(answers, delay_s=0.0):
     return ScriptedEngine("scripted", respond, delay_s=delay_s)
 
 
+ADMIN_KEY = "test-admin-key-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 @contextlib.asynccontextmanager
-async def serving(engine, store=None):
+async def serving(engine, store=None, **server_args):
     """A proxy over `engine` behind an OpenAIServer on a free port; yields (url, proxy)."""
     proxy = Proxy([engine])
-    server = OpenAIServer(proxy, store=store, default_max_tokens=MAX_TOKENS)
+    server = OpenAIServer(
+        proxy, api_key=ADMIN_KEY, store=store, default_max_tokens=MAX_TOKENS, **server_args
+    )
     url = await server.start()
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -81,14 +90,23 @@ async def serving(engine, store=None):
         await engine.shutdown()
 
 
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
 async def start(http, execution_id, **fields):
-    response = await http.post("/v1/executions", json={"execution_id": execution_id, **fields})
+    """Starts an execution with the admin key; returns the execution's own key."""
+    response = await http.post(
+        "/v1/executions", headers=ADMIN, json={"execution_id": execution_id, **fields}
+    )
     assert response.status_code == 200, response.text
     return response.json()["api_key"]
 
 
-async def finish(http, execution_id, **fields):
-    response = await http.post(f"/v1/executions/{execution_id}/finish", json=fields)
+async def finish(http, execution_id, key, **fields):
+    response = await http.post(
+        f"/v1/executions/{execution_id}/finish", headers=bearer(key), json=fields
+    )
     assert response.status_code == 200, response.text
     return execution_from_json(response.json())
 
@@ -198,7 +216,7 @@ async def over_http(url, x, turns=3, stream=False, max_tokens=MAX_TOKENS):
         )
         await client.close()
         assert len(summary.choices[0].logprobs.token_logprobs) == summary.usage.completion_tokens
-        return await finish(http, x, status="finished", reward=0.5)
+        return await finish(http, x, key, status="finished", reward=0.5)
 
 
 def scripted_answers(x):
@@ -287,8 +305,8 @@ def test_reserialised_tool_calls_map_back_to_the_generated_tokens(rewrite):
 
     async def body():
         async with serving(scripted(answers)) as (_, _, http):
-            await start(http, "x")
-            headers = {"Authorization": "Bearer x"}
+            key = await start(http, "x")
+            headers = bearer(key)
             first = await http.post(
                 "/v1/chat/completions",
                 headers=headers,
@@ -329,7 +347,7 @@ def test_reserialised_tool_calls_map_back_to_the_generated_tokens(rewrite):
                 json={"messages": history, "tools": TOOLS, "max_tokens": 200},
             )
             assert second.status_code == 200, second.text
-            return await finish(http, "x")
+            return await finish(http, "x", key)
 
     execution = asyncio.run(body())
     first, second = execution.calls
@@ -353,40 +371,40 @@ def test_concurrent_executions_stay_separate_and_finish_cancels_in_flight():
     answers = {(x, "main"): [f"answer {x} {i}" for i in range(4)] for x in ("a", "b", "c")}
 
     async def conversation(http, x):
-        await start(http, x)
+        key = await start(http, x)
         messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": x}]
         for _ in range(3):
             r = await http.post(
                 "/v1/chat/completions",
                 json={"messages": messages},
-                headers={"X-Gyrejax-Execution": x},
+                headers={**bearer(key), "X-Gyrejax-Execution": x},  # the optional cross-check
             )
             assert r.status_code == 200, r.text
             messages += [
                 {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                 {"role": "tool", "content": "ok"},
             ]
-        return await finish(http, x)
+        return await finish(http, x, key)
 
     async def body():
         async with serving(scripted(answers, delay_s=0.05)) as (_, proxy, http):
             executions = await asyncio.gather(*(conversation(http, x) for x in ("a", "b")))
             # Finishing while a call is in flight cancels it; the call is still recorded.
-            await start(http, "c")
+            key = await start(http, "c")
             hanging = asyncio.create_task(
                 http.post(
                     "/v1/chat/completions",
-                    headers={"Authorization": "Bearer c"},
+                    headers=bearer(key),
                     json={"messages": OPENING},
                 )
             )
             while not proxy.counters().in_flight["scripted"]:
                 await asyncio.sleep(0.005)
-            cancelled = await finish(http, "c", status="timed_out")
+            cancelled = await finish(http, "c", key, status="timed_out")
             late = await hanging
             after = await http.post(
                 "/v1/chat/completions",
-                headers={"Authorization": "Bearer c"},
+                headers=bearer(key),
                 json={"messages": OPENING},
             )
             return executions, cancelled, late, after, proxy.counters()
@@ -401,19 +419,179 @@ def test_concurrent_executions_stay_separate_and_finish_cancels_in_flight():
     (call,) = cancelled.calls
     assert cancelled.status == "timed_out" and call.finish_reason == "cancelled"
     assert late.json()["choices"][0]["finish_reason"] == "cancelled"
-    assert after.status_code == 404
+    assert after.status_code == 401  # a finished execution's key is void
     assert (counters.dispatched, counters.finished) == (3, 3)
+
+
+# --- keys, and stored records never replaced -------------------------------------------------
+
+
+def test_a_stored_execution_is_never_replaced_through_the_door(tmp_path):
+    """The audit's loss: starting a stored id again and finishing it replaced a record of 1
+    call with reward 1.0 by one of 0 calls with reward 0.0. A stored id is now a 409 at
+    start, and a record stored by another writer while an execution runs is kept: finish
+    answers 409 with its own record, which is stored nowhere."""
+    answers = {("x", "main"): ["first"], ("y", "main"): ["mine"]}
+
+    async def body():
+        store = ExecutionStore(tmp_path / "executions")
+        async with serving(scripted(answers), store=store) as (_, _, http):
+            key = await start(http, "x")
+            call = await http.post(CHAT, headers=bearer(key), json={"messages": OPENING})
+            assert call.status_code == 200, call.text
+            await finish(http, "x", key, reward=1.0)
+            again = await http.post("/v1/executions", headers=ADMIN, json={"execution_id": "x"})
+            key = await start(http, "y")
+            await http.post(CHAT, headers=bearer(key), json={"messages": OPENING})
+            other = Execution("y", task_id="other", group_id="g", calls=[], reward=0.25)
+            store.put(other)  # another writer, while y runs
+            late = await http.post(
+                "/v1/executions/y/finish", headers=bearer(key), json={"reward": 1.0}
+            )
+            return again, late, store.get("x"), store.get("y")
+
+    again, late, x, y = asyncio.run(body())
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["param"] == "execution_id"
+    assert "already stored" in again.json()["error"]["message"]
+    assert (len(x.calls), x.reward) == (1, 1.0)  # untouched
+    assert late.status_code == 409 and "NOT stored" in late.json()["error"]["message"]
+    returned = execution_from_json(late.json()["execution"])  # the client still has it
+    assert (len(returned.calls), returned.reward) == (1, 1.0)
+    assert (y.task_id, y.reward, len(y.calls)) == ("other", 0.25, 0)  # the other writer's
+
+
+def test_executions_need_the_admin_key_and_then_each_its_own_key():
+    answers = {(x, "main"): ["a", "b"] for x in ("p", "q", "r")}
+
+    async def body():
+        async with serving(scripted(answers), max_open_executions=2) as (url, _, http):
+            creating = {
+                "no key": await http.post("/v1/executions", json={"execution_id": "p"}),
+                "wrong key": await http.post(
+                    "/v1/executions", headers=bearer("not-the-admin-key-0123"), json={}
+                ),
+            }
+            key_p, key_q = await start(http, "p"), await start(http, "q")
+            creating["an execution's key"] = await http.post(
+                "/v1/executions", headers=bearer(key_p), json={}
+            )
+            creating["past the bound"] = await http.post(
+                "/v1/executions", headers=ADMIN, json={"execution_id": "r"}
+            )
+            chat = {"messages": OPENING}
+            refused = {
+                "call, the id as key": await http.post(CHAT, headers=bearer("p"), json=chat),
+                "call, the admin key": await http.post(CHAT, headers=ADMIN, json=chat),
+                "status, no key": await http.get("/v1/executions/p"),
+                "status, q's key": await http.get("/v1/executions/p", headers=bearer(key_q)),
+                "finish, q's key": await http.post(
+                    "/v1/executions/p/finish", headers=bearer(key_q), json={"reward": 1.0}
+                ),
+                "finish, admin key": await http.post(
+                    "/v1/executions/p/finish", headers=ADMIN, json={"reward": 1.0}
+                ),
+            }
+            # The OpenAI client sends the execution key as its api_key.
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key_p, max_retries=0)
+            answer = await client.chat.completions.create(model="gyrejax", messages=OPENING)
+            models = await client.models.list()
+            impostor = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="p", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await impostor.chat.completions.create(model="gyrejax", messages=OPENING)
+            status = await http.get("/v1/executions/p", headers=bearer(key_p))
+            p = await finish(http, "p", key_p, reward=1.0)
+            void = await http.get("/v1/executions/p", headers=bearer(key_p))
+            key_r = await start(http, "r")  # p's slot is free again
+            q = await finish(http, "q", key_q)
+            await finish(http, "r", key_r)
+            await client.close()
+            await impostor.close()
+            return creating, refused, answer, models, status, p, void, q, (key_p, key_q, key_r)
+
+    creating, refused, answer, models, status, p, void, q, keys = asyncio.run(body())
+    assert {k: a.status_code for k, a in creating.items()} == {
+        "no key": 401,
+        "wrong key": 401,
+        "an execution's key": 401,
+        "past the bound": 429,
+    }
+    for what, answer_ in refused.items():
+        assert answer_.status_code == 401, (what, answer_.text)
+        assert answer_.json()["error"]["param"] == "Authorization", what
+        assert answer_.headers["WWW-Authenticate"] == "Bearer", what
+    assert answer.choices[0].message.content == "a"
+    assert [m.id for m in models.data] == ["gyrejax"]
+    assert status.json() == {"execution_id": "p", "calls": 1, "in_flight": 0}
+    assert (len(p.calls), p.reward) == (1, 1.0) and len(q.calls) == 0
+    assert void.status_code == 401  # a finished execution's key opens nothing
+    assert len(set(keys)) == 3 and all(len(k) >= 40 and k not in "pqr" for k in keys)
+
+
+def test_the_door_needs_an_admin_key_unless_open_on_loopback():
+    proxy = Proxy([scripted({("x-open", "main"): ["hi"]})])
+    with pytest.raises(ValueError, match="no admin key"):
+        OpenAIServer(proxy, api_key=None)
+    with pytest.raises(ValueError, match="at least 16"):
+        OpenAIServer(proxy, api_key="short")
+
+    async def open_door():
+        server = OpenAIServer(proxy, api_key=None, insecure_no_auth=True)
+        with pytest.raises(ValueError, match="loopback"):
+            await server.start("0.0.0.0")
+        url = await server.start("127.0.0.1")
+        try:
+            async with httpx.AsyncClient(base_url=url) as http:
+                created = await http.post("/v1/executions", json={"execution_id": "x-open"})
+                keyless = await http.post(CHAT, json={"messages": OPENING})
+                key = created.json()["api_key"]
+                keyed = await http.post(CHAT, headers=bearer(key), json={"messages": OPENING})
+                await finish(http, "x-open", key)
+            return created, keyless, keyed
+        finally:
+            await server.stop()
+
+    created, keyless, keyed = asyncio.run(open_door())
+    assert created.status_code == 200
+    assert keyless.status_code == 401 and keyed.status_code == 200  # execution keys still
+
+    # The command line: one clear line, before any engine is contacted.
+    env = {k: v for k, v in os.environ.items() if k != "GYREJAX_API_KEY"}
+    command = [sys.executable, "-m", "gyrejax.serve.openai_server", "--engine_url=http://h:1"]
+    cases = {
+        "no key": ([], "no admin key: give --api_key or set GYREJAX_API_KEY"),
+        "open, not loopback": (["--insecure_no_auth", "--host=0.0.0.0"], "is not loopback"),
+    }
+    for what, (flags, message) in cases.items():
+        run = subprocess.run(command + flags, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and message in run.stderr, (what, run.stderr[-2000:])
 
 
 # --- malformed requests ---------------------------------------------------------------------
 
-AUTH = {"Authorization": "Bearer x"}
+X_KEY = "<execution x's key>"  # replaced by the key the server returns
+AUTH = {"Authorization": f"Bearer {X_KEY}"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+
+def nested(depth):
+    return {"a": nested(depth - 1)} if depth else {}
+
+
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+DEEP_TOOL = [{"type": "function", "function": {"name": "f", "parameters": nested(70)}}]
 MALFORMED = [
     # (path, headers, body (bytes = raw), status, field named)
     (CHAT, AUTH, b"{not json", 400, "body"),
     (CHAT, AUTH, b"[1, 2]", 400, "body"),
+    (CHAT, AUTH, b"\xff\xfe{", 400, "body"),
+    (CHAT, AUTH, DEEP, 400, "body"),  # past the parser's recursion limit
+    (CHAT, AUTH, {"messages": OPENING, "tools": DEEP_TOOL}, 400, "body"),  # past MAX_JSON_DEPTH
+    (CHAT, AUTH, b'{"messages": [], "seed": ' + b"7" * 5000 + b"}", 400, "body"),
+    (CHAT, AUTH, b'{"messages": [], "temperature": NaN}', 400, "body"),
+    (CHAT, AUTH, {"messages": OPENING, "temperature": 10**400}, 400, "temperature"),
+    (CHAT, AUTH, {"messages": OPENING, "max_tokens": 10**30}, 400, "max_tokens"),
     (CHAT, AUTH, {}, 400, "messages"),
     (CHAT, AUTH, {"messages": []}, 400, "messages"),
     (CHAT, AUTH, {"messages": "hi"}, 400, "messages"),
@@ -430,8 +608,17 @@ MALFORMED = [
     (CHAT, AUTH, {"messages": OPENING, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
     (CHAT, AUTH, {"messages": OPENING, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {}, {"messages": OPENING}, 401, "Authorization"),
-    (CHAT, {"Authorization": "Bearer nobody"}, {"messages": OPENING}, 404, "Authorization"),
-    (CHAT, {"X-Gyrejax-Execution": "nobody"}, {"messages": OPENING}, 404, "X-Gyrejax-Execution"),
+    (CHAT, {"Authorization": "Bearer nobody"}, {"messages": OPENING}, 401, "Authorization"),
+    (CHAT, {"Authorization": "Bearer x"}, {"messages": OPENING}, 401, "Authorization"),  # the id
+    (CHAT, ADMIN, {"messages": OPENING}, 401, "Authorization"),  # the admin key is no execution's
+    (CHAT, {"X-Gyrejax-Execution": "x"}, {"messages": OPENING}, 401, "Authorization"),
+    (
+        CHAT,
+        {**AUTH, "X-Gyrejax-Execution": "nobody"},
+        {"messages": OPENING},
+        400,
+        "X-Gyrejax-Execution",
+    ),
     (CHAT, {**AUTH, "X-Gyrejax-Role": "critic"}, {"messages": OPENING}, 400, "X-Gyrejax-Role"),
     (CHAT, AUTH, {"messages": OPENING, "temperature": -1}, 400, "temperature"),
     (CHAT, AUTH, {"messages": OPENING, "temperature": "hot"}, 400, "temperature"),
@@ -452,11 +639,16 @@ MALFORMED = [
     (COMPLETIONS, AUTH, {"prompt": [5, 2.5]}, 400, "prompt[1]"),
     (COMPLETIONS, AUTH, {"prompt": ["a", "b"]}, 400, "prompt"),
     (COMPLETIONS, AUTH, {"prompt": "hi", "logprobs": 5}, 400, "logprobs"),
-    ("/v1/executions", {}, {"execution_id": "x"}, 409, "execution_id"),
-    ("/v1/executions", {}, {"execution_id": 7}, 400, "execution_id"),
-    ("/v1/executions/x/finish", {}, {"status": "great"}, 400, "status"),
-    ("/v1/executions/x/finish", {}, {"reward": "high"}, 400, "reward"),
-    ("/v1/executions/nobody/finish", {}, {}, 404, "execution_id"),
+    ("/v1/executions", {}, {"execution_id": "y"}, 401, "Authorization"),
+    ("/v1/executions", AUTH, {"execution_id": "y"}, 401, "Authorization"),
+    ("/v1/executions", ADMIN, {"execution_id": "x"}, 409, "execution_id"),
+    ("/v1/executions", ADMIN, {"execution_id": 7}, 400, "execution_id"),
+    ("/v1/executions/x/finish", AUTH, {"status": "great"}, 400, "status"),
+    ("/v1/executions/x/finish", AUTH, {"reward": "high"}, 400, "reward"),
+    ("/v1/executions/x/finish", AUTH, {"reward": 10**400}, 400, "reward"),
+    ("/v1/executions/x/finish", {}, {}, 401, "Authorization"),
+    ("/v1/executions/x/finish", ADMIN, {}, 401, "Authorization"),
+    ("/v1/executions/nobody/finish", AUTH, {}, 401, "Authorization"),
 ]
 
 
@@ -464,17 +656,18 @@ def test_malformed_requests_get_4xx_naming_the_field_and_the_server_keeps_servin
     async def body():
         engine = scripted({("x", "main"): ["fine"]})
         async with serving(engine) as (_, _, http):
-            await start(http, "x")
+            key = await start(http, "x")
             answers = []
             for path, headers, payload, _, _ in MALFORMED:
                 raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                headers = {k: v.replace(X_KEY, key) for k, v in headers.items()}
                 answers.append(
                     await http.post(
                         path, headers={**headers, "Content-Type": "application/json"}, content=raw
                     )
                 )
-            ok = await http.post(CHAT, headers=AUTH, json={"messages": OPENING})
-            return answers, ok, await finish(http, "x")
+            ok = await http.post(CHAT, headers=bearer(key), json={"messages": OPENING})
+            return answers, ok, await finish(http, "x", key)
 
     answers, ok, execution = asyncio.run(body())
     for (path, _, payload, status, field), answer in zip(MALFORMED, answers, strict=True):
@@ -528,12 +721,12 @@ def test_hf_chat_template_splices_the_generated_ids_into_its_own_layout():
 
     async def body():
         proxy = Proxy([scripted(answers)])
-        server = OpenAIServer(proxy, template, default_max_tokens=MAX_TOKENS)
+        server = OpenAIServer(proxy, template, api_key=ADMIN_KEY, default_max_tokens=MAX_TOKENS)
         url = await server.start()
         try:
             async with httpx.AsyncClient(base_url=url) as http:
-                await start(http, "x")
-                headers = {"Authorization": "Bearer x"}
+                key = await start(http, "x")
+                headers = bearer(key)
                 tools = [{"type": "function", "function": {"name": "ls"}}]
                 first = await http.post(
                     CHAT, headers=headers, json={"messages": OPENING, "tools": tools}
@@ -548,7 +741,7 @@ def test_hf_chat_template_splices_the_generated_ids_into_its_own_layout():
                     CHAT, headers=headers, json={"messages": history, "tools": tools}
                 )
                 assert second.status_code == 200, second.text
-                return await finish(http, "x")
+                return await finish(http, "x", key)
         finally:
             await server.stop()
 

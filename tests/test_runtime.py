@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, load_config_file, read_jsonl, start_engine_server
+from conftest import ENGINE_TOKEN, REPO_ROOT, load_config_file, read_jsonl, start_engine_server
 from flax import nnx
 
 from gyrejax.cells import split_into_cells
@@ -120,7 +120,8 @@ def two_cells_async(steps: int):
     return c
 
 
-def test_external_engine_named_like_a_cell_is_one_clear_error(tmp_path):
+def test_external_engine_named_like_a_cell_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYREJAX_ENGINE_TOKEN", ENGINE_TOKEN)  # what the Runtime's client sends
     server, url = start_engine_server("cell1", "--engine=scripted")
     try:
         c = two_cells_async(steps=1)
@@ -138,18 +139,19 @@ def test_external_engine_named_like_a_cell_is_one_clear_error(tmp_path):
         server.wait()
 
 
-def test_a_dead_external_engine_is_dropped_and_the_run_goes_on(tmp_path):
+def test_a_dead_external_engine_is_dropped_and_the_run_goes_on(tmp_path, monkeypatch):
     """An engine server killed after the first publication: its requests move to the
     rollout cell, the next publications skip it (or drop it when they fail), and every
     step completes."""
     c = two_cells_async(steps=3)
     config = from_dict(c)
     start = export_hf(init_model(config.model), tmp_path / "start")
+    workdir = tmp_path / "run"
+    monkeypatch.setenv("GYREJAX_ENGINE_TOKEN", ENGINE_TOKEN)  # what the Runtime's client sends
     server, url = start_engine_server(
-        "ext", "--engine=jax", f"--hf_dir={start}",
+        "ext", "--engine=jax", f"--hf_dir={start}", f"--weights_dir={workdir / 'published'}",
         f"--max_seq_len={config.rollout.max_seq_len}", f"--max_slots={config.rollout.max_slots}",
     )  # fmt: skip
-    workdir = tmp_path / "run"
     transitions = workdir / "transitions.jsonl"
 
     def kill_after_the_first_publication():

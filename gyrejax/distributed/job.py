@@ -74,6 +74,8 @@ def _reinforce(config: Config, workdir: Path, cells: list, mine: list, model: Tr
     """RL across processes (see `gyrejax.distributed.rl`)."""
     start = Decisions("gyrejax/start", timeout_s=rl.FOLLOWER_TIMEOUT_S)
     leader = jax.process_index() == 0
+    # One engine token per run, drawn by process 0 before anything else is handed over.
+    token = rl.share_engine_token(start) if leader else rl.receive_engine_token(start)
     if leader and config.warmup.steps:
         from gyrejax.stages import warm_start
 
@@ -93,9 +95,11 @@ def _reinforce(config: Config, workdir: Path, cells: list, mine: list, model: Tr
     )
     if not leader:
         trainer.precompile()  # idle until process 0 needs the engines anyway
-        return rl.serve_and_follow(config, cells, model, trainer)
+        return rl.serve_and_follow(
+            config, cells, model, trainer, token=token, weights_dir=rl.published_dir(workdir)
+        )
     try:
-        return rl.DistributedRuntime(config, cells, trainer, workdir).run()
+        return rl.DistributedRuntime(config, cells, trainer, workdir, engine_token=token).run()
     finally:  # followers stop serving and return even if this process fails
         trainer.stop()
 

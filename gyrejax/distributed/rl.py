@@ -22,11 +22,19 @@ satellite of `DistributedTrainer` on each, following process 0's decisions:
 Start: every process builds the same initial model (the seed, or `model.hf_checkpoint`).
 With a warm start, process 0 runs it on its own cells while the others wait, then hands
 them the weights as an Orbax snapshot (`workdir/snapshots/start`).
+
+Engine access: process 0 draws one token per run (`secrets`) and hands it to the others
+on the coordinator's key-value store; their engine servers require it on every request
+and process 0's `HttpEngine`s send it, and they load weights only from
+`workdir/published` (symlinks resolved). The token is never logged. The key-value store
+itself is JAX's coordinator service, which has no authentication: the coordinator port
+must be reachable by the job's hosts only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 from pathlib import Path
 
@@ -93,6 +101,24 @@ def receive_start_weights(model: Transformer, start: Decisions) -> Transformer:
     return nnx.merge(graphdef, state)
 
 
+def share_engine_token(start: Decisions) -> str:
+    """Process 0: draws the run's engine token and hands it to the other processes."""
+    token = secrets.token_urlsafe(32)
+    start.put_json("engine_token", token)
+    return token
+
+
+def receive_engine_token(start: Decisions) -> str:
+    """Followers: the engine token process 0 drew for this run."""
+    return start.get_json("engine_token")
+
+
+def published_dir(workdir: Path) -> Path:
+    """Where the Runtime publishes weights for engines reached by URL (`PublishedWeights`)
+    and so the only directory remote engines load from."""
+    return Path(workdir) / "published"
+
+
 # --- process 0 --------------------------------------------------------------------------
 
 
@@ -145,12 +171,20 @@ class DistributedRuntime(Runtime):
     Args:
       config, cells, workdir: as for `Runtime` (`cells`: every process's cells).
       trainer: process 0's side of the job's `DistributedTrainer`.
+      engine_token: the token the other processes' engine servers require.
     """
 
     def __init__(
-        self, config: Config, cells: list[Cell], trainer: DistributedTrainer, workdir: Path
+        self,
+        config: Config,
+        cells: list[Cell],
+        trainer: DistributedTrainer,
+        workdir: Path,
+        *,
+        engine_token: str,
     ):
         self._distributed = trainer
+        self._engine_token = engine_token
         super().__init__(config, cells, trainer.trainer.model(), workdir)
 
     def _make_trainer(self, model: Transformer) -> _LeaderTrainer:
@@ -165,7 +199,7 @@ class DistributedRuntime(Runtime):
                 self.engines[cell.index] = self._new_engine(cell)
                 continue
             url = await loop.run_in_executor(None, decisions.get_json, engine_key(cell.index))
-            engine = await HttpEngine.connect(url)
+            engine = await HttpEngine.connect(url, token=self._engine_token)
             if engine.version != self.trainer.version:  # a resumed run
                 await engine.update_weights(await self._weights_for(engine), self.trainer.version)
             self.engines[cell.index] = engine
@@ -176,14 +210,23 @@ class DistributedRuntime(Runtime):
 
 
 def serve_and_follow(
-    config: Config, cells: list[Cell], model: Transformer, trainer: DistributedTrainer
+    config: Config,
+    cells: list[Cell],
+    model: Transformer,
+    trainer: DistributedTrainer,
+    *,
+    token: str,
+    weights_dir: Path,
 ) -> dict:
-    """A follower's whole job: serves an engine per local cell and carries out process
-    0's training decisions until it stops; returns what it did."""
-    return asyncio.run(_serve_and_follow(config, cells, model, trainer))
+    """A follower's whole job: serves an engine per local cell (requiring `token`,
+    loading weights only from `weights_dir`) and carries out process 0's training
+    decisions until it stops; returns what it did."""
+    return asyncio.run(_serve_and_follow(config, cells, model, trainer, token, weights_dir))
 
 
-async def _serve_and_follow(config, cells, model, trainer: DistributedTrainer) -> dict:
+async def _serve_and_follow(
+    config, cells, model, trainer: DistributedTrainer, token: str, weights_dir: Path
+) -> dict:
     r = config.rollout
     host = advertised_host()
     servers: list[EngineServer] = []
@@ -199,12 +242,18 @@ async def _serve_and_follow(config, cells, model, trainer: DistributedTrainer) -
                 rules=r.sharding_rules,
                 version=trainer.trainer.version,
             )
-            server = EngineServer(engine)
+            server = EngineServer(engine, token=token, weights_dir=weights_dir)
             servers.append(server)
             url = await server.start(host, 0)
             trainer.decisions.put_json(engine_key(index), url)
             summary["cells"].append(index)
-            logging.info("cell %d: serving engine %s at %s", index, engine.name, url)
+            logging.info(
+                "cell %d: serving engine %s at %s (token required; weights from %s only)",
+                index,
+                engine.name,
+                url,
+                server.weights_dir,
+            )
         loop = asyncio.get_running_loop()
         summary["steps_followed"] = await loop.run_in_executor(None, _follow, trainer)
     finally:

@@ -1,10 +1,20 @@
 """Serves one `Engine` over HTTP, so a proxy on another host can use it (`HttpEngine`).
 
-  python -m gyrejax.serve.engine_server --hf_dir=/ckpt/step_12 --port=8100 --name=e3
+  GYREJAX_ENGINE_TOKEN=$TOKEN python -m gyrejax.serve.engine_server --hf_dir=/ckpt/step_12 \
+      --port=8100 --name=e3 --weights_dir=/runs/r1/published
 
 loads the HF checkpoint into a `JaxEngine` and prints `serving engine e3 at http://...`
 once it accepts requests (`--engine=scripted` serves a model-free `ScriptedEngine` for
-smoke tests). In code: `url = await EngineServer(engine).start(host, port)`.
+smoke tests). In code: `url = await EngineServer(engine, token=token).start(host, port)`.
+
+Security (every engine endpoint controls a device and its weights):
+  * A shared token (`--token`, or the environment variable GYREJAX_ENGINE_TOKEN, which
+    `ps` does not show) is required as `Authorization: Bearer <token>` on every endpoint
+    but /health, else 401; `HttpEngine` sends it. Without one the server refuses to
+    start unless `--insecure_no_auth` is given, and then it listens on loopback only.
+  * `update_weights` loads only directories under `--weights_dir` (symlinks resolved):
+    anything else is a 403 naming the path; without `--weights_dir`, no path is loaded.
+  * Bodies, headers and connections are limited as `gyrejax.serve.http` describes.
 
 Endpoints (JSON bodies; token arrays as lists of ints; errors use the OpenAI envelope
 `{"error": {"message", "type", "param"}}` naming the field):
@@ -17,10 +27,10 @@ Endpoints (JSON bodies; token arrays as lists of ints; errors use the OpenAI env
   POST /v1/engine/export   {"request_id"}  -> <live> (404 if not held). The KV cache
       stays behind: the importer re-computes it from prompt + tokens so far.
   POST /v1/engine/cancel   {"request_id"}
-  POST /v1/engine/update_weights {"path": HF checkpoint dir on this host, "version"}
+  POST /v1/engine/update_weights {"path": HF checkpoint dir under --weights_dir, "version"}
   POST /v1/engine/release_memory, /v1/engine/resume
   GET  /v1/engine/status   {name, capacity, load, version, request_ids, heartbeat_age_s}
-  GET  /health             {"ok": true}
+  GET  /health             {"ok": true} (no token: liveness only)
 """
 
 from __future__ import annotations
@@ -35,7 +45,18 @@ from aiohttp import web
 from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.types import EngineError, RequestMigrated
 from gyrejax.serve import wire
-from gyrejax.serve.http import HttpError, Site, read_json
+from gyrejax.serve.http import (
+    ENGINE_TOKEN_ENV,
+    HttpError,
+    Limits,
+    Site,
+    bearer_token,
+    check_secret,
+    define_limit_flags,
+    is_loopback,
+    limits_from_flags,
+    same_token,
+)
 from gyrejax.serve.wire import ENGINE_PREFIX as PREFIX
 
 
@@ -44,31 +65,70 @@ class EngineServer(Site):
 
     Args:
       engine: the engine to serve; the server never shuts it down (its owner does).
+      token: the shared secret every client must send (None only with
+        `insecure_no_auth`).
+      weights_dir: the only directory `update_weights` loads from (subdirectories
+        included, symlinks resolved); None refuses every path.
+      limits: connection, header and body limits.
+      insecure_no_auth: serve without a token, on loopback only (local experiments).
+
+    Raises:
+      ValueError: no token (and not `insecure_no_auth`), or one too short to be secret.
     """
 
-    def __init__(self, engine: Engine):
-        super().__init__()
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        token: str | None,
+        weights_dir: str | os.PathLike | None = None,
+        limits: Limits | None = None,
+        insecure_no_auth: bool = False,
+    ):
+        super().__init__(limits, insecure_no_auth=insecure_no_auth)
+        if token is None and not insecure_no_auth:
+            raise ValueError(
+                f"engine server {engine.name}: no token; give --token or set "
+                f"{ENGINE_TOKEN_ENV} (or insecure_no_auth, on loopback only)"
+            )
+        self._token = None if token is None else check_secret(token, "engine token")
         self.engine = engine
-        self.app.add_routes(
-            [
-                web.get("/health", self._health),
-                web.get(f"{PREFIX}/status", self._status),
-                web.post(f"{PREFIX}/submit", self._submit),
-                web.post(f"{PREFIX}/import", self._submit),
-                web.post(f"{PREFIX}/export", self._export),
-                web.post(f"{PREFIX}/cancel", self._cancel),
-                web.post(f"{PREFIX}/update_weights", self._update_weights),
-                web.post(f"{PREFIX}/release_memory", self._release_memory),
-                web.post(f"{PREFIX}/resume", self._resume),
-            ]
-        )
+        # Resolved once: a path is confined by its real location, never by its spelling.
+        self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
+        control, data = self.limits.control_body_bytes, self.limits.data_body_bytes
+        auth = self._authenticate
+        routes = [
+            ("GET", "/health", self._health, lambda _: None, None),
+            ("GET", f"{PREFIX}/status", self._status, auth, None),
+            ("POST", f"{PREFIX}/submit", self._submit, auth, data),
+            ("POST", f"{PREFIX}/import", self._submit, auth, data),
+            ("POST", f"{PREFIX}/export", self._export, auth, control),
+            ("POST", f"{PREFIX}/cancel", self._cancel, auth, control),
+            ("POST", f"{PREFIX}/update_weights", self._update_weights, auth, control),
+            ("POST", f"{PREFIX}/release_memory", self._release_memory, auth, control),
+            ("POST", f"{PREFIX}/resume", self._resume, auth, control),
+        ]
+        for method, path, handler, check, max_body_bytes in routes:
+            self.add_endpoint(method, path, handler, auth=check, max_body_bytes=max_body_bytes)
+
+    def _authenticate(self, request: web.Request) -> None:
+        if self._token is None:  # insecure_no_auth, on loopback
+            return
+        if not same_token(bearer_token(request), self._token):
+            raise HttpError(
+                401,
+                f"Authorization: missing or wrong token for engine {self.engine.name}; send "
+                f"'Authorization: Bearer <token>' (the server's --token or {ENGINE_TOKEN_ENV})",
+                "authentication_error",
+                "Authorization",
+            )
 
     # --- handlers -------------------------------------------------------------------------
 
-    async def _health(self, _: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "name": self.engine.name})
+    async def _health(self, *_) -> web.Response:
+        return web.json_response({"ok": True})
 
-    async def _status(self, _: web.Request) -> web.Response:
+    async def _status(self, *_) -> web.Response:
         heartbeat = getattr(self.engine, "heartbeat", None)
         return web.json_response(
             {
@@ -81,8 +141,7 @@ class EngineServer(Site):
             }
         )
 
-    async def _submit(self, http_request: web.Request) -> web.Response:
-        body = await read_json(http_request)
+    async def _submit(self, http_request: web.Request, body: dict, _) -> web.Response:
         importing = http_request.path.endswith("/import")
         if importing:
             live = wire.live_from_json(wire.get(body, "live"), "live.")
@@ -115,8 +174,7 @@ class EngineServer(Site):
             raise HttpError(400, str(e), "invalid_request_error", "request") from None
         return web.json_response({"completion": wire.completion_to_json(completion)})
 
-    async def _export(self, http_request: web.Request) -> web.Response:
-        body = await read_json(http_request)
+    async def _export(self, _, body: dict, __) -> web.Response:
         request_id = wire.as_str(wire.get(body, "request_id"), "request_id")
         try:
             live = await self.engine.export(request_id)
@@ -128,17 +186,16 @@ class EngineServer(Site):
             raise HttpError(503, str(e), "engine_error") from None
         return web.json_response(wire.live_to_json(live))
 
-    async def _cancel(self, http_request: web.Request) -> web.Response:
-        body = await read_json(http_request)
+    async def _cancel(self, _, body: dict, __) -> web.Response:
         self.engine.cancel(wire.as_str(wire.get(body, "request_id"), "request_id"))
         return web.json_response({"ok": True})
 
-    async def _update_weights(self, http_request: web.Request) -> web.Response:
+    async def _update_weights(self, _, body: dict, __) -> web.Response:
         """Loads an HF checkpoint directory visible on this host (the mixed-fleet path:
         the trainer exports once, every JAX or vLLM engine reloads the same files)."""
-        body = await read_json(http_request)
         path = wire.as_str(wire.get(body, "path"), "path")
-        version = wire.as_int(wire.get(body, "version"), "version", lo=0)
+        version = wire.as_int(wire.get(body, "version"), "version", lo=0, hi=2**31)
+        self._confine(path)
         if not os.path.isdir(path):
             raise HttpError(
                 400,
@@ -154,14 +211,35 @@ class EngineServer(Site):
             raise HttpError(400, f"path: {e}", "invalid_request_error", "path") from None
         return web.json_response({"ok": True, "version": self.engine.version})
 
-    async def _release_memory(self, _: web.Request) -> web.Response:
+    def _confine(self, path: str) -> None:
+        """403 unless `path`, symlinks resolved, lies under `weights_dir`: a token holder
+        may swap in the run's published weights, not load any directory of this host."""
+        if self.weights_dir is None:
+            raise HttpError(
+                403,
+                f"path: {path!r} refused: engine {self.engine.name} was started without "
+                "--weights_dir, so it loads no weights over HTTP",
+                "permission_error",
+                "path",
+            )
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.weights_dir]) != self.weights_dir:
+            raise HttpError(
+                403,
+                f"path: {path!r} (resolved {real!r}) is outside engine {self.engine.name}'s "
+                f"weights directory {self.weights_dir!r}",
+                "permission_error",
+                "path",
+            )
+
+    async def _release_memory(self, *_) -> web.Response:
         try:
             await self.engine.release_memory()
         except RuntimeError as e:  # requests still in flight
             raise HttpError(409, str(e), "conflict") from None
         return web.json_response({"ok": True})
 
-    async def _resume(self, _: web.Request) -> web.Response:
+    async def _resume(self, *_) -> web.Response:
         await self.engine.resume()
         return web.json_response({"ok": True})
 
@@ -193,6 +271,20 @@ def define_flags() -> None:
     flags.DEFINE_integer("decode_steps", 8, "Decode steps per compiled call.")
     flags.DEFINE_integer("version", 0, "Policy version of the served weights.")
     flags.DEFINE_float("scripted_delay_s", 0.0, "Answer delay of --engine=scripted.")
+    flags.DEFINE_string(
+        "token",
+        None,
+        f"Shared token clients must send (default: ${ENGINE_TOKEN_ENV}; prefer the "
+        "environment: flags are visible in ps).",
+    )
+    flags.DEFINE_string(
+        "weights_dir",
+        None,
+        "The only directory update_weights loads from (an RL run's WORKDIR/published); "
+        "unset: no weight updates over HTTP.",
+    )
+    flags.DEFINE_bool("insecure_no_auth", False, "Serve without a token (loopback --host only).")
+    define_limit_flags()
 
 
 def build_engine() -> Engine:
@@ -218,9 +310,32 @@ def build_engine() -> Engine:
     )
 
 
-async def serve_forever(engine: Engine, host: str, port: int) -> None:
+def token_from_flags() -> str | None:
+    """--token, else $GYREJAX_ENGINE_TOKEN, else None with --insecure_no_auth on loopback
+    (app.UsageError otherwise, before any model is loaded)."""
+    token = FLAGS.token or os.environ.get(ENGINE_TOKEN_ENV) or None
+    if token is None and not FLAGS.insecure_no_auth:
+        raise app.UsageError(
+            f"no token: give --token or set {ENGINE_TOKEN_ENV} (or --insecure_no_auth "
+            "with a loopback --host)"
+        )
+    if token is None and not is_loopback(FLAGS.host):
+        raise app.UsageError(f"--insecure_no_auth: --host={FLAGS.host!r} is not loopback")
+    try:
+        return None if token is None else check_secret(token, "--token")
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
+async def serve_forever(engine: Engine, host: str, port: int, token: str | None) -> None:
     """Serves `engine` until cancelled; prints the URL once it accepts requests."""
-    server = EngineServer(engine)
+    server = EngineServer(
+        engine,
+        token=token,
+        weights_dir=FLAGS.weights_dir,
+        limits=limits_from_flags(),
+        insecure_no_auth=token is None,
+    )
     url = await server.start(host, port)
     print(f"serving engine {engine.name} at {url}", flush=True)
     try:
@@ -232,9 +347,10 @@ async def serve_forever(engine: Engine, host: str, port: int) -> None:
 
 def main(argv) -> None:
     del argv
+    token = token_from_flags()
 
     async def run():
-        await serve_forever(build_engine(), FLAGS.host, FLAGS.port)
+        await serve_forever(build_engine(), FLAGS.host, FLAGS.port, token)
 
     logging.info("starting %s engine %s", FLAGS.engine, FLAGS.name)
     asyncio.run(run())

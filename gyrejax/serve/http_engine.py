@@ -32,6 +32,7 @@ from absl import logging
 from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 from gyrejax.serve import wire
+from gyrejax.serve.http import ENGINE_TOKEN_ENV
 from gyrejax.serve.wire import ENGINE_PREFIX as PREFIX
 
 _NETWORK_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
@@ -49,6 +50,9 @@ class HttpEngine(Engine):
         the server reports it, so use the remote name (the `connect` default).
       capacity: requests the remote engine runs concurrently.
       version: policy version it samples with.
+      token: the server's shared token, sent as `Authorization: Bearer` on every
+        request; None reads the environment variable GYREJAX_ENGINE_TOKEN (a server
+        without a token, `--insecure_no_auth`, needs none).
       poll_interval_s: status poll period while requests are held (the heartbeat).
       connect_timeout_s: time to open a connection before the host counts as down.
       status_timeout_s: time for a status/control answer before it counts as failed.
@@ -65,6 +69,7 @@ class HttpEngine(Engine):
         name: str,
         capacity: int,
         version: int = 0,
+        token: str | None = None,
         poll_interval_s: float = 1.0,
         connect_timeout_s: float = 10.0,
         status_timeout_s: float = 30.0,
@@ -74,6 +79,8 @@ class HttpEngine(Engine):
         self.name = name
         self._capacity = capacity
         self._version = version
+        # Never logged or put in an error message.
+        self._token = token if token is not None else os.environ.get(ENGINE_TOKEN_ENV) or None
         self.poll_interval_s = poll_interval_s
         self.connect_timeout_s = connect_timeout_s
         self.status_timeout_s = status_timeout_s
@@ -88,10 +95,13 @@ class HttpEngine(Engine):
 
     @classmethod
     async def connect(cls, url: str, *, name: str | None = None, **kwargs) -> HttpEngine:
-        """Asks the server at `url` for its name, capacity and version.
+        """Asks the server at `url` for its name, capacity and version (`kwargs`: the
+        constructor's, e.g. `token`).
 
         Raises:
           EngineError: the server cannot be reached or does not answer as an engine.
+          ValueError: the server refused the request (a 4xx: e.g. a missing or wrong
+            token is a 401).
         """
         engine = cls(url, name=name or "?", capacity=1, **kwargs)
         status = await engine.status()
@@ -278,9 +288,10 @@ class HttpEngine(Engine):
         """One HTTP exchange; errors mapped as the module docstring says."""
         path = f"{PREFIX}/{endpoint}"
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
         try:
             async with self._client().request(
-                method, self.url + path, json=payload, timeout=timeout
+                method, self.url + path, json=payload, timeout=timeout, headers=headers
             ) as response:
                 status = response.status
                 try:

@@ -5,20 +5,33 @@ sampling)` with exactly the arguments the in-process harness would pass, so the
 recorded `ModelCall`s (token-in/token-out, behaviour log-probs, versions, engines) are
 the same as if the harness ran in process.
 
+Authentication (`gyrejax.serve.http` adds the body, header and connection limits):
+  * an admin key (`--api_key`, or the environment variable GYREJAX_API_KEY) is needed to
+    create executions: `Authorization: Bearer <admin key>`. Without one the server
+    refuses to start unless `--insecure_no_auth` is given, and then anyone reaching it
+    may create executions, so it listens on loopback only;
+  * each execution gets its own key (`secrets.token_urlsafe`), returned once when it is
+    created and separate from its id; every call, status and finish of that execution
+    needs it (`Authorization: Bearer <execution key>`, what an OpenAI client sends as
+    its api_key), else 401. /v1/models takes either key; /health none.
+  * at most `max_open_executions` are open at once (429 past it).
+
 Lifecycle of an execution (explicit, so the scheduler's counters stay true and a stray
 client cannot create executions nobody will collect):
 
-  POST /v1/executions {"execution_id"?, "task_id"?, "group_id"?}
-      -> {"execution_id", "api_key"}: counts it dispatched; the id is the API key.
-  ... the harness calls /v1/chat/completions or /v1/completions with
-      `Authorization: Bearer <execution id>` (what an OpenAI client sends as its API
-      key) or `X-Gyrejax-Execution: <execution id>` (wins over the bearer token).
-      Optional headers: `X-Gyrejax-Agent` (default "main") and `X-Gyrejax-Role`
-      (default "main"; a registered role such as "sub_agent").
+  POST /v1/executions {"execution_id"?, "task_id"?, "group_id"?}   (admin key)
+      -> {"execution_id", "api_key"}: counts it dispatched. 409 if the id is running or
+      already stored: a stored record is never replaced through the network.
+  ... the harness calls /v1/chat/completions or /v1/completions with the execution key.
+      Optional headers: `X-Gyrejax-Agent` (default "main"), `X-Gyrejax-Role` (default
+      "main"; a registered role such as "sub_agent"), `X-Gyrejax-Execution` (if sent, it
+      must name the key's execution: a cross-check, never an identification).
   POST /v1/executions/{id}/finish {"status"?, "reward"?, "eval_attempts"?}
       -> the `Execution` record as JSON (calls with token ids); requests still in
       flight are cancelled first, and the record is put in the `ExecutionStore` if the
-      server has one. Later requests with that key get 404.
+      server has one, never over a stored record: if one appeared meanwhile, the answer
+      is a 409 carrying this record under "execution" (nothing is lost or replaced).
+      The key is void from here on (401).
   GET /v1/executions/{id} -> {"execution_id", "calls", "in_flight"}.
 
 Chat prompts come from a `ChatTemplate` (the byte layout by default). Assistant turns
@@ -41,7 +54,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
+import os
+import secrets
 import time
 import uuid
 import zlib
@@ -62,7 +78,19 @@ from gyrejax.serve.chat import (
     split_tool_calls,
 )
 from gyrejax.serve.generated import GeneratedTurns
-from gyrejax.serve.http import HttpError, Site, read_json
+from gyrejax.serve.http import (
+    API_KEY_ENV,
+    ENGINE_TOKEN_ENV,
+    HttpError,
+    Limits,
+    Site,
+    bearer_token,
+    check_secret,
+    define_limit_flags,
+    is_loopback,
+    limits_from_flags,
+    same_token,
+)
 from gyrejax.serve.wire import FieldError, as_float, as_int, get
 from gyrejax.trajectory import STATUSES, Execution, ExecutionStore, role_priority
 
@@ -76,6 +104,7 @@ class _Execution:
     """Server-side state of one execution."""
 
     execution_id: str
+    key: str  # the execution's own secret (never logged)
     task_id: str
     group_id: str
     turns: GeneratedTurns = dataclasses.field(default_factory=GeneratedTurns)
@@ -84,16 +113,30 @@ class _Execution:
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
+def _digest(key: str) -> bytes:
+    """Where a key is looked up: its hash, so the dict lookup's timing says nothing
+    about the key itself; the key is then compared in constant time."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
 class OpenAIServer(Site):
     """Serves the OpenAI API in front of a proxy (see module docstring).
 
     Args:
       proxy: records and routes every call.
       template: prompt layout and tokenizer; `ByteChatTemplate()` by default.
+      api_key: the admin key that creates executions (None only with `insecure_no_auth`).
       store: where finished executions are persisted (None: only returned).
       model_name: the model id reported by /v1/models and in answers.
       default_max_tokens: max_tokens when a request gives none.
       finish_timeout_s: how long finish waits for cancelled requests to end.
+      max_open_executions: executions open at once (429 past it).
+      limits: connection, header and body limits.
+      insecure_no_auth: anyone may create executions (loopback only); execution keys
+        are still required for everything else.
+
+    Raises:
+      ValueError: no admin key (and not `insecure_no_auth`), or one too short.
     """
 
     def __init__(
@@ -101,47 +144,136 @@ class OpenAIServer(Site):
         proxy: Proxy,
         template: ChatTemplate | None = None,
         *,
+        api_key: str | None,
         store: ExecutionStore | None = None,
         model_name: str = "gyrejax",
         default_max_tokens: int = 256,
         finish_timeout_s: float = 30.0,
+        max_open_executions: int = 256,
+        limits: Limits | None = None,
+        insecure_no_auth: bool = False,
     ):
-        super().__init__()  # start() returns the base URL; <url>/v1 is the OpenAI base_url
+        # start() returns the base URL; <url>/v1 is the OpenAI base_url.
+        super().__init__(limits, insecure_no_auth=insecure_no_auth)
+        if api_key is None and not insecure_no_auth:
+            raise ValueError(
+                f"no admin key: give --api_key or set {API_KEY_ENV} (or insecure_no_auth, "
+                "on loopback only)"
+            )
+        if max_open_executions < 1:
+            raise ValueError(f"max_open_executions={max_open_executions}: expected >= 1")
+        self._api_key = None if api_key is None else check_secret(api_key, "admin key")
         self.proxy = proxy
         self.template = template if template is not None else ByteChatTemplate()
         self.store = store
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.finish_timeout_s = finish_timeout_s
-        self._executions: dict[str, _Execution] = {}
-        self.app.add_routes(
-            [
-                web.get("/health", self._health),
-                web.get("/v1/models", self._models),
-                web.post("/v1/executions", self._start_execution),
-                web.get("/v1/executions/{execution_id}", self._execution_status),
-                web.post("/v1/executions/{execution_id}/finish", self._finish_execution),
-                web.post("/v1/chat/completions", self._chat),
-                web.post("/v1/completions", self._completions),
-            ]
-        )
+        self.max_open_executions = max_open_executions
+        self._executions: dict[str, _Execution] = {}  # by id
+        self._by_key: dict[bytes, _Execution] = {}  # by _digest(key)
+        control, data = self.limits.control_body_bytes, self.limits.data_body_bytes
+        routes = [
+            ("GET", "/health", self._health, lambda _: None, None),
+            ("GET", "/v1/models", self._models, self._any_key, None),
+            ("POST", "/v1/executions", self._start_execution, self._admin, control),
+            ("GET", "/v1/executions/{execution_id}", self._execution_status, self._owner, None),
+            (
+                "POST",
+                "/v1/executions/{execution_id}/finish",
+                self._finish_execution,
+                self._owner,
+                control,
+            ),
+            ("POST", "/v1/chat/completions", self._chat, self._caller, data),
+            ("POST", "/v1/completions", self._completions, self._caller, data),
+        ]
+        for method, path, handler, auth, max_body_bytes in routes:
+            self.add_endpoint(method, path, handler, auth=auth, max_body_bytes=max_body_bytes)
+
+    # --- authentication (headers only: runs before the body is read) ----------------------
+
+    def _admin(self, request: web.Request) -> None:
+        if self._api_key is None:  # insecure_no_auth, on loopback
+            return
+        if not same_token(bearer_token(request), self._api_key):
+            raise HttpError(
+                401,
+                "Authorization: creating executions needs the admin key: send "
+                f"'Authorization: Bearer <admin key>' (the server's --api_key or {API_KEY_ENV})",
+                "authentication_error",
+                "Authorization",
+            )
+
+    def _execution_of(self, request: web.Request) -> _Execution:
+        """The open execution whose key the request carries (401 otherwise)."""
+        key = bearer_token(request)
+        state = None if key is None else self._by_key.get(_digest(key))
+        if state is None or not same_token(key, state.key):
+            what = "no execution key" if key is None else "unknown or finished execution key"
+            raise HttpError(
+                401,
+                f"Authorization: {what}; send 'Authorization: Bearer <execution key>' "
+                "(the api_key POST /v1/executions returned)",
+                "authentication_error",
+                "Authorization",
+            )
+        return state
+
+    def _caller(self, request: web.Request) -> tuple[_Execution, str, str]:
+        """(execution, agent id, role) of a completions call."""
+        state = self._execution_of(request)
+        named = request.headers.get(EXECUTION_HEADER)
+        if named is not None and named != state.execution_id:
+            raise FieldError(
+                EXECUTION_HEADER,
+                f"{named!r} is not the execution of the key sent (an execution key "
+                "identifies its execution; drop the header or send the matching key)",
+            )
+        agent_id = request.headers.get(AGENT_HEADER, "main")
+        role = request.headers.get(ROLE_HEADER, "main")
+        try:
+            role_priority(role)
+        except ValueError as e:
+            raise FieldError(ROLE_HEADER, str(e)) from None
+        return state, agent_id, role
+
+    def _owner(self, request: web.Request) -> _Execution:
+        """The execution named in the path, if the key is its own (401 otherwise)."""
+        state = self._execution_of(request)
+        if request.match_info["execution_id"] != state.execution_id:
+            raise HttpError(
+                401,
+                f"Authorization: the key sent is not execution "
+                f"{request.match_info['execution_id']!r}'s",
+                "authentication_error",
+                "Authorization",
+            )
+        return state
+
+    def _any_key(self, request: web.Request) -> None:
+        key = bearer_token(request)
+        if self._api_key is None or same_token(key, self._api_key):
+            return
+        self._execution_of(request)
 
     # --- executions -----------------------------------------------------------------------
 
-    async def _health(self, _: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "executions": len(self._executions)})
+    async def _health(self, *_) -> web.Response:
+        return web.json_response({"ok": True})
 
-    async def _models(self, _: web.Request) -> web.Response:
+    async def _models(self, *_) -> web.Response:
         model = {"id": self.model_name, "object": "model", "owned_by": "gyrejax", "created": 0}
         return web.json_response({"object": "list", "data": [model]})
 
-    async def _start_execution(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
+    async def _start_execution(self, _, body: dict, __) -> web.Response:
         execution_id = wire.as_str(
             get(body, "execution_id", default=f"x-{uuid.uuid4().hex[:16]}"), "execution_id"
         )
         if not execution_id:
             raise FieldError("execution_id", "empty")
+        task_id = wire.as_str(get(body, "task_id", default=""), "task_id")
+        group_id = wire.as_str(get(body, "group_id", default=execution_id), "group_id")
         if execution_id in self._executions:
             raise HttpError(
                 409,
@@ -149,18 +281,30 @@ class OpenAIServer(Site):
                 "conflict",
                 "execution_id",
             )
-        state = _Execution(
-            execution_id,
-            task_id=wire.as_str(get(body, "task_id", default=""), "task_id"),
-            group_id=wire.as_str(get(body, "group_id", default=execution_id), "group_id"),
-        )
+        if self.store is not None and execution_id in self.store:
+            # Finishing it would have to replace the stored record: refuse now, not then.
+            raise HttpError(
+                409,
+                f"execution_id: {execution_id!r} is already stored; pick a new id",
+                "conflict",
+                "execution_id",
+            )
+        if len(self._executions) >= self.max_open_executions:
+            raise HttpError(
+                429,
+                f"{len(self._executions)} executions are open, the server's limit "
+                "(--max_open_executions); finish some first",
+                "rate_limit_error",
+            )
+        key = secrets.token_urlsafe(32)
+        state = _Execution(execution_id, key, task_id=task_id, group_id=group_id)
         state.idle.set()
         self._executions[execution_id] = state
+        self._by_key[_digest(key)] = state
         self.proxy.dispatch(execution_id)
-        return web.json_response({"execution_id": execution_id, "api_key": execution_id})
+        return web.json_response({"execution_id": execution_id, "api_key": key})
 
-    async def _execution_status(self, request: web.Request) -> web.Response:
-        state = self._known(request.match_info["execution_id"], "execution_id")
+    async def _execution_status(self, _, __, state: _Execution) -> web.Response:
         return web.json_response(
             {
                 "execution_id": state.execution_id,
@@ -169,16 +313,21 @@ class OpenAIServer(Site):
             }
         )
 
-    async def _finish_execution(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
+    async def _finish_execution(self, _, body: dict, state: _Execution) -> web.Response:
         status = wire.as_str(get(body, "status", default="finished"), "status")
         if status not in STATUSES:
             raise FieldError("status", f"{status!r} is not one of {STATUSES}")
         reward = get(body, "reward", default=None)
         reward = None if reward is None else as_float(reward, "reward")
-        attempts = as_int(get(body, "eval_attempts", default=0), "eval_attempts", lo=0)
-        state = self._known(request.match_info["execution_id"], "execution_id")
-        del self._executions[state.execution_id]  # no new requests from here on
+        attempts = as_int(get(body, "eval_attempts", default=0), "eval_attempts", lo=0, hi=2**31)
+        if self._executions.get(state.execution_id) is not state:  # finished meanwhile
+            raise HttpError(
+                401, "Authorization: execution key of a finished execution",
+                "authentication_error", "Authorization",
+            )  # fmt: skip
+        # No new requests from here on: the key is void.
+        del self._executions[state.execution_id]
+        del self._by_key[_digest(state.key)]
         self.proxy.cancel_execution(state.execution_id)
         try:
             await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
@@ -197,52 +346,31 @@ class OpenAIServer(Site):
             reward=reward,
             eval_attempts=attempts,
         )
+        record = wire.execution_to_json(execution)
         if self.store is not None:  # durable before we answer: a crash loses nothing
-            await asyncio.to_thread(self.store.put, execution, overwrite=True)
-        return web.json_response(wire.execution_to_json(execution))
-
-    def _known(self, execution_id: str, source: str) -> _Execution:
-        state = self._executions.get(execution_id)
-        if state is None:
-            raise HttpError(
-                404,
-                f"{source}: unknown or finished execution {execution_id!r}; "
-                "start one with POST /v1/executions",
-                "not_found",
-                source,
-            )
-        return state
-
-    def _identify(self, request: web.Request) -> tuple[_Execution, str, str]:
-        """(execution, agent id, role) from the headers."""
-        execution_id = request.headers.get(EXECUTION_HEADER)
-        source = EXECUTION_HEADER
-        if execution_id is None:
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                raise HttpError(
-                    401,
-                    f"no execution: send 'Authorization: Bearer <execution "
-                    f"id>' or '{EXECUTION_HEADER}'",
-                    "authentication_error",
-                    "Authorization",
+            try:  # never over a stored record (put refuses atomically)
+                await asyncio.to_thread(self.store.put, execution)
+            except FileExistsError:
+                logging.error(
+                    "execution %s: a record with this id was stored while it ran; the "
+                    "stored one is kept, this one is returned to the client only",
+                    execution.execution_id,
                 )
-            execution_id, source = token.strip(), "Authorization"
-        state = self._known(execution_id, source)
-        agent_id = request.headers.get(AGENT_HEADER, "main")
-        role = request.headers.get(ROLE_HEADER, "main")
-        try:
-            role_priority(role)
-        except ValueError as e:
-            raise FieldError(ROLE_HEADER, str(e)) from None
-        return state, agent_id, role
+                raise HttpError(
+                    409,
+                    f"execution_id: {execution.execution_id!r} was stored by another writer "
+                    "while it ran; the stored record is kept and this one is NOT stored "
+                    "(it is in this answer under 'execution')",
+                    "conflict",
+                    "execution_id",
+                    extra={"execution": record},
+                ) from None
+        return web.json_response(record)
 
     # --- completions ----------------------------------------------------------------------
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
-        state, agent_id, role = self._identify(request)
+    async def _chat(self, request: web.Request, body: dict, caller) -> web.StreamResponse:
+        state, agent_id, role = caller
         messages = parse_messages(get(body, "messages"))
         tools = parse_tools(body.get("tools"))
         choice = body.get("tool_choice")
@@ -292,9 +420,8 @@ class OpenAIServer(Site):
             )
         return web.json_response(answer)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
-        state, agent_id, role = self._identify(request)
+    async def _completions(self, request: web.Request, body: dict, caller) -> web.StreamResponse:
+        state, agent_id, role = caller
         prompt = self._prompt_ids(get(body, "prompt"))
         logprobs = get(body, "logprobs", default=None)
         if logprobs is not None:
@@ -369,9 +496,9 @@ class OpenAIServer(Site):
         top_p = as_float(get(body, "top_p", default=1.0), "top_p")
         if not 0 < top_p <= 1:
             raise FieldError("top_p", f"{top_p} is not in (0, 1]")
-        top_k = as_int(get(body, "top_k", default=0), "top_k", lo=-1)
+        top_k = as_int(get(body, "top_k", default=0), "top_k", lo=-1, hi=2**31)
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = as_int(get(body, key, default=self.default_max_tokens), key, lo=1)
+        max_tokens = as_int(get(body, key, default=self.default_max_tokens), key, lo=1, hi=2**31)
         default_seed = zlib.crc32(f"{state.execution_id}/{state.requests}".encode()) % 2**31
         seed = as_int(get(body, "seed", default=default_seed), "seed", lo=0, hi=2**31)
         stops = list(self.template.stop_ids if stop_base is None else stop_base)
@@ -488,7 +615,11 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """Flags of the command line (only when run as a program)."""
-    flags.DEFINE_multi_string("engine_url", [], "An EngineServer URL (repeat for several).")
+    flags.DEFINE_multi_string(
+        "engine_url",
+        [],
+        f"An EngineServer URL (repeat for several); its token comes from ${ENGINE_TOKEN_ENV}.",
+    )
     flags.DEFINE_multi_string(
         "vllm_url", [], "A vLLM server URL (repeat for several; see serve/vllm_server_engine.py)."
     )
@@ -497,9 +628,40 @@ def define_flags() -> None:
     flags.DEFINE_string("executions_dir", None, "ExecutionStore directory for records.")
     flags.DEFINE_string("hf_tokenizer", None, "HF tokenizer directory (default: bytes).")
     flags.DEFINE_integer("default_max_tokens", 256, "max_tokens when a request gives none.")
+    flags.DEFINE_string(
+        "api_key",
+        None,
+        f"Admin key that creates executions (default: ${API_KEY_ENV}; prefer the "
+        "environment: flags are visible in ps).",
+    )
+    flags.DEFINE_bool(
+        "insecure_no_auth",
+        False,
+        "Anyone may create executions (no admin key; loopback --host only). Execution "
+        "keys are still required.",
+    )
+    flags.DEFINE_integer("max_open_executions", 256, "Executions open at once (429 past it).")
+    define_limit_flags()
 
 
-async def serve_forever() -> None:
+def api_key_from_flags() -> str | None:
+    """--api_key, else $GYREJAX_API_KEY, else None with --insecure_no_auth on loopback
+    (app.UsageError otherwise, before any engine is contacted)."""
+    key = FLAGS.api_key or os.environ.get(API_KEY_ENV) or None
+    if key is None and not FLAGS.insecure_no_auth:
+        raise app.UsageError(
+            f"no admin key: give --api_key or set {API_KEY_ENV} (or --insecure_no_auth "
+            "with a loopback --host)"
+        )
+    if key is None and not is_loopback(FLAGS.host):
+        raise app.UsageError(f"--insecure_no_auth: --host={FLAGS.host!r} is not loopback")
+    try:
+        return None if key is None else check_secret(key, "--api_key")
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
+async def serve_forever(api_key: str | None) -> None:
     """`python -m gyrejax.serve.openai_server --engine_url=http://host:8100 ...`."""
     from gyrejax.serve.http_engine import HttpEngine
     from gyrejax.serve.vllm_server_engine import VllmServerEngine
@@ -518,7 +680,14 @@ async def serve_forever() -> None:
         engines.append(await VllmServerEngine.connect(url, name=f"vllm{i}"))
     store = ExecutionStore(FLAGS.executions_dir) if FLAGS.executions_dir else None
     server = OpenAIServer(
-        Proxy(engines), template, store=store, default_max_tokens=FLAGS.default_max_tokens
+        Proxy(engines),
+        template,
+        api_key=api_key,
+        store=store,
+        default_max_tokens=FLAGS.default_max_tokens,
+        max_open_executions=FLAGS.max_open_executions,
+        limits=limits_from_flags(),
+        insecure_no_auth=api_key is None,
     )
     url = await server.start(FLAGS.host, FLAGS.port)
     print(f"serving the OpenAI API at {url}/v1 over {len(engines)} engines", flush=True)
@@ -532,7 +701,7 @@ async def serve_forever() -> None:
 
 def main(argv) -> None:
     del argv
-    asyncio.run(serve_forever())
+    asyncio.run(serve_forever(api_key_from_flags()))
 
 
 if __name__ == "__main__":

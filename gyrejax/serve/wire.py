@@ -45,7 +45,7 @@ def get(body: Mapping, key: str, prefix: str = "", default: Any = _MISSING) -> A
 def as_int(value: Any, field: str, *, lo: int | None = None, hi: int | None = None) -> int:
     """An int in [lo, hi) (bools and floats refused: 1.5 tokens is a client bug)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FieldError(field, f"expected an integer, got {value!r}")
+        raise FieldError(field, f"expected an integer, got {_shown(value)}")
     if (lo is not None and value < lo) or (hi is not None and value >= hi):
         bounds = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi})"
         raise FieldError(field, f"{value} is not in {bounds}")
@@ -53,10 +53,18 @@ def as_int(value: Any, field: str, *, lo: int | None = None, hi: int | None = No
 
 
 def as_float(value: Any, field: str) -> float:
-    """A finite number."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    """A finite number (an integer too large for a float is refused, not an OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FieldError(field, f"expected a finite number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise FieldError(
+            field, "expected a finite number, got an integer beyond float range"
+        ) from None
+    if not math.isfinite(number):
         raise FieldError(field, f"expected a finite number, got {value!r}")
-    return float(value)
+    return number
 
 
 def as_str(value: Any, field: str) -> str:
@@ -81,6 +89,15 @@ def token_ids(value: Any, field: str, vocab_size: int | None = None) -> np.ndarr
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value for an error message: scalars by repr (cut at `limit`), containers by kind
+    (a refused field may hold megabytes)."""
+    if isinstance(value, list | dict):
+        return _kind(value)
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({_kind(value)})"
 
 
 # --- engine types -----------------------------------------------------------------------
@@ -112,11 +129,12 @@ def sampling_from_json(body: Mapping, prefix: str = "sampling.") -> SamplingPara
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
-        top_k=as_int(get(body, "top_k", prefix, 0), prefix + "top_k", lo=0),
+        top_k=as_int(get(body, "top_k", prefix, 0), prefix + "top_k", lo=0, hi=2**31),
         max_new_tokens=as_int(
             get(body, "max_new_tokens", prefix, default.max_new_tokens),
             prefix + "max_new_tokens",
             lo=1,
+            hi=2**31,
         ),
         stop_ids=tuple(int(t) for t in stop_ids),
         seed=as_int(get(body, "seed", prefix, 0), prefix + "seed", lo=0, hi=2**31),
