@@ -17,11 +17,13 @@ policy:
       all swept on the first seed, the best three settings of each policy re-run on every
       seed, the best mean kept. Columns: the setting, makespan (mean over seeds), the
       bound valid for any cadence (`makespan_bound_s`), makespan / bound, measured
-      staleness (max, mean), idle cell-hours by cause, and each policy over elastic; then
+      staleness (max, mean; a group's staleness is the trainer's version when it is
+      trained minus the version it was dispatched with, i.e. its oldest tokens'), idle
+      cell-hours by cause, and each policy over elastic; then
       the gate's limit (an ESTIMATE, not a bound: the same gate with unlimited cells and
       free training) and the issue-14 goals, met or not;
   a Pareto plot (`--plot`, default schedule_pareto.png): makespan against mean staleness,
-  one curve per policy (its best setting at each S);
+  per policy the front of every setting swept at every S, and its best setting per S;
   `--sensitivity`: drift and mixed at S = 8 with token_exponent 0, 0.5 and 1 (whether the
   rollout/training ratio drifts at all).
 
@@ -162,6 +164,8 @@ def tune(pool, sim: SimConfig, fair) -> dict:
             mean = float(np.mean([x["makespan_h"] for x in per_seed]))
             if best is None or mean < best["makespan_h"]:
                 best = _mean_summary(per_seed)
+        # Every setting's first-seed (mean staleness, makespan), for the Pareto plot.
+        best["sweep"] = [(r["staleness_mean"], r["makespan_h"]) for r in runs]
         out[policy] = best
     return out
 
@@ -274,9 +278,20 @@ def fair(pool, cfg, report: dict) -> None:
                 )
 
 
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (staleness, makespan) points no other point beats on both, by staleness."""
+    front, best = [], np.inf
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
 def pareto_plot(report: dict, path: Path) -> None:
-    """Makespan against mean staleness, one curve per policy (its best setting at each S),
-    one panel per workload and shape."""
+    """Makespan against mean staleness, one panel per workload and shape: per policy the
+    Pareto front of every setting swept at every S (first seed; line), and its best
+    setting at each S (mean of the seeds; markers, labelled by S)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,21 +301,15 @@ def pareto_plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         for policy, marker in zip(POLICIES, "s^o", strict=True):
-            points = [
-                (e["policies"][policy]["staleness_mean"], e["policies"][policy]["makespan_h"], s)
-                for s, e in report[key].items()
-            ]
-            xs, ys, _ = zip(*points, strict=True)
-            ax.plot(xs, ys, marker=marker, label=policy)
-            for x, y, s in points:
-                ax.annotate(f"S={s}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-        bounds = [
-            (e["policies"]["elastic"]["staleness_mean"], e["policies"]["elastic"]["bound_h"])
-            for e in report[key].values()
-        ]
-        ax.plot(*zip(*bounds, strict=True), "k:", label="bound (any cadence)")
+            rows = {s: e["policies"][policy] for s, e in report[key].items()}
+            swept = [p for r in rows.values() for p in r.get("sweep", [])]
+            line = ax.plot(*zip(*pareto_front(swept), strict=True), label=policy)[0]
+            for s, r in rows.items():
+                x, y = r["staleness_mean"], r["makespan_h"]
+                ax.plot(x, y, marker=marker, color=line.get_color(), linestyle="")
+                ax.annotate(f"S={s}", (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
         ax.set_title(key)
-        ax.set_xlabel("mean token staleness (versions)")
+        ax.set_xlabel("mean staleness of trained groups (versions)")
         ax.set_ylabel("makespan (h)")
         ax.set_yscale("log")
         ax.legend(fontsize=7)

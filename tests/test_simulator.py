@@ -411,6 +411,8 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         assert r["per_seed_h"][0] in sorted(first)[: bench.TOP]
         assert r["over_bound"] >= 1 - 1e-9 and r["staleness_max"] <= 2 and r["over_stale"] == 0
     assert set(entry["goals"]) == {"vs_async", "vs_colocate", "vs_bound", "met"}
+    assert bench.pareto_front([(1, 5), (2, 3), (3, 4), (0.5, 9)]) == [(0.5, 9), (1, 5), (2, 3)]
+    assert len(rows["async"]["sweep"]) == len(swept)
     bench.pareto_plot(report, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     out = capsys.readouterr().out
