@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -9,10 +10,11 @@ import pytest
 from flax import nnx
 
 from gyrejax.cells import split_into_cells
-from gyrejax.config import CellsConfig, ModelConfig
+from gyrejax.config import TRAIN_SHARDING_RULES, CellsConfig, ModelConfig
+from gyrejax.model import sharding
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
-from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.jax_engine import JaxEngine, length_buckets
 from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
 
 CONFIG = ModelConfig(
@@ -241,3 +243,104 @@ def test_engine_on_a_tensor_parallel_cell_equals_one_device(model):
     for got, expected in zip(run(body()), want, strict=True):
         assert got.output_ids.tolist() == expected.token_ids
         np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def test_length_buckets():
+    assert length_buckets(640) == [16, 32, 64, 128, 256, 512, 640]
+    assert length_buckets(64) == [16, 32, 64] and length_buckets(8) == [8]
+
+
+def test_precompiled_engines_never_compile_after_start(model):
+    """What a role switch reaches (a request, an export, an import on another cell, a
+    weight pull from the trainer's layout, release and resume) never compiles on an engine
+    thread once the engines serve. Engine a compiled every bucket ahead (`compile_all`):
+    nothing compiles at all. Engine b compiles a bucket when first needed, in the
+    background: the same tokens."""
+    cells = split_into_cells(CellsConfig(size=1, fsdp=1, tensor=1))  # distinct devices
+    prompt = prompts(1, seed=7)[0][:10]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=50)  # crosses buckets 16, 32, 64
+    want = generate(model, [prompt], max_new_tokens=50)[0].token_ids
+    # The trainer's weights: FSDP-sharded over two other devices, as a weight pull gets them.
+    train_cell = split_into_cells(CellsConfig(size=2, fsdp=2, tensor=1))[2]
+    state = nnx.state(model)
+    specs = sharding.partition_specs(state, train_cell.mesh, TRAIN_SHARDING_RULES)
+    trained = jax.device_put(
+        nnx.to_pure_dict(state), sharding.named_shardings(specs, train_cell.mesh)
+    )
+    bigger = jax.tree.map(lambda x: x * 1.5, trained)
+    bigger_model = init_model(CONFIG)
+    nnx.update(bigger_model, jax.tree.map(np.asarray, bigger))
+    want_bigger = generate(bigger_model, [prompt], max_new_tokens=50)[0].token_ids
+    compiles = []  # the threads that compiled
+
+    def listen(event, seconds, **kwargs):
+        if event == BACKEND_COMPILE:
+            compiles.append(threading.current_thread().name)
+
+    async def body(a, b):
+        await asyncio.gather(a.precompiled(), b.precompiled())
+        count_a, count_b = a.compile_count, b.compile_count
+        assert count_a > 0 and count_b > 0  # different devices: each compiled its own
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            full = await a.submit(Request("full", prompt, greedy))
+            future = a.submit(Request("moved", prompt, greedy))
+            while a.tokens_generated < len(full.output_ids) + 4:
+                await asyncio.sleep(0.001)
+            live = await a.export("moved")
+            with pytest.raises(RequestMigrated):
+                await future
+            # The same state as another kind of engine would export it (rows [KV, n, D],
+            # a length b compiled no import for): fitted on the host, not compiled.
+            n = len(prompt) + len(live.output_ids) - 1
+            exact = tuple((np.asarray(k)[:, :n], np.asarray(v)[:, :n]) for k, v in live.kv)
+            copy = dataclasses.replace(
+                live, request=dataclasses.replace(live.request, request_id="copy"), kv=exact
+            )
+            moved, copied = await asyncio.gather(b.import_request(live), b.import_request(copy))
+            await b.update_weights(bigger, version=1)
+            updated = await b.submit(Request("updated", prompt, greedy))
+            await a.release_memory()
+            await a.resume()
+            await a.update_weights(trained, version=2)
+            resumed = await a.submit(Request("resumed", prompt, greedy))
+
+            async def b_compiled():  # b compiled what it needed, in the background
+                while b.compile_count == count_b:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(b_compiled(), 120)
+            assert set(compiles) == {"engine-b-compile"} and a.compile_count == count_a
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        return full, live, moved, copied, updated, resumed
+
+    async def main():
+        kwargs = dict(max_slots=2, max_seq_len=64, decode_steps=2, precompile=True)
+        a = JaxEngine("a", model, cells[1], compile_all=True, **kwargs)
+        b = JaxEngine("b", model, cells[2], **kwargs)
+        try:
+            return await body(a, b)
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    full, live, moved, copied, updated, resumed = run(main())
+    assert full.output_ids.tolist() == want
+    assert live.kv is not None and 0 < len(live.output_ids) < 50
+    for got in (moved, copied):
+        assert got.output_ids.tolist() == want and got.engines == ("a", "b")
+        np.testing.assert_allclose(got.logprobs, full.logprobs, atol=1e-5)
+    assert updated.output_ids.tolist() == want_bigger and (updated.versions == 1).all()
+    assert resumed.output_ids.tolist() == want and (resumed.versions == 2).all()
+    # The listener does hear compiles (on this thread): the checks above are not vacuous.
+    compiles.clear()
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [threading.current_thread().name]

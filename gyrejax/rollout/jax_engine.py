@@ -13,9 +13,25 @@ derived from the request seed and the token's index), carries the exact log-prob
 the distribution sampled and the engine's weight version at that decode call. Weights
 change only between decode calls; requests in flight keep going.
 
-Live migration: `export` copies a request's KV-cache rows (device arrays on this cell)
-with its tokens so far; `import_request` on another engine writes them into a free slot
-(device to device) and generation continues as if nothing happened.
+Live migration: `export` copies a request's KV-cache rows (device arrays on this cell,
+padded to the same length buckets) with its tokens so far; `import_request` on another
+engine writes them into a free slot (device to device) and generation continues as if
+nothing happened.
+
+Compiles: every device function is compiled ahead of time per length bucket, and the
+executables are kept and counted (`compile_count`). With `precompile=True` the engine
+thread never compiles, so a drain, an import, a weight update or a release/resume never
+waits for a compile. Before serving it compiles the cache allocation and KV export and
+import at the largest bucket; a background thread then compiles KV import and export for
+every bucket (small), and each prefill or decode bucket the engine asks for, when first
+needed (`compile_all`: every bucket, ahead of need). Meanwhile the engine runs the
+smallest compiled bucket that fits (the same tokens up to float summation order, since
+padding and a longer attention prefix are masked; KV rows to import are fitted to one on
+the host), or leaves that work waiting while it serves everything else, commands first.
+On CPU-emulated devices a compile takes the cores the cells compute on, so buckets never
+used are not compiled unless asked. `ready()` returns once the engine serves,
+`precompiled()` once its background compiler first ran out of work. Without `precompile`
+each executable compiles on first use, on the engine thread (tests, one-off batches).
 """
 
 from __future__ import annotations
@@ -46,6 +62,13 @@ from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 
 MAX_STOP_IDS = 8  # stop ids per request checked on device
+
+# Executables shared by engines that would compile the very same one (same model, shapes,
+# mesh devices and rules): several engines on one device (tests, benchmarks) compile
+# once. Engines on different cells have different devices, so each compiles its own.
+_SHARED: dict[tuple, jax.stages.Compiled] = {}
+_SHARED_LOCKS: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
+_SHARED_GUARD = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -83,6 +106,10 @@ class JaxEngine(Engine):
       decode_steps: decode steps per compiled call (new requests wait at most this long).
       rules: sharding rules for the weights and cache.
       version: policy version of `model`.
+      precompile: never compile on the engine thread: what it needs first before it
+        serves, the rest in the background (see the module docstring).
+      compile_all: with `precompile`, compile every length bucket in the background
+        before it is needed (where compiling costs no accelerator time).
     """
 
     exports_kv = True
@@ -98,6 +125,8 @@ class JaxEngine(Engine):
         decode_steps: int = 8,
         rules: ShardingRules = SAMPLE_SHARDING_RULES,
         version: int = 0,
+        precompile: bool = False,
+        compile_all: bool = False,
     ):
         self.name = name
         self.config = model.config
@@ -117,7 +146,13 @@ class JaxEngine(Engine):
         self._param_shardings = sharding.named_shardings(
             sharding.partition_specs(state, mesh, rules), mesh
         )
-        self._params = jax.device_put(nnx.to_pure_dict(state), self._param_shardings)
+        params = nnx.to_pure_dict(state)
+        self._params = jax.device_put(params, self._param_shardings)
+        self._abstract_params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            params,
+            self._param_shardings,
+        )
         self._version = version
         cache_spec = sharding.logical_to_spec(
             ("batch", "kv_heads", "length", "head_dim"),
@@ -127,6 +162,32 @@ class JaxEngine(Engine):
         )
         self._cache_sharding = NamedSharding(mesh, cache_spec)
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        layers = self.config.num_layers
+        self._cache_shardings = KVCache(
+            k=(self._cache_sharding,) * layers,
+            v=(self._cache_sharding,) * layers,
+            lengths=self._replicated,
+        )
+        # Compiled executables by key (see `_compile`); every compile is counted, so a
+        # test can prove that nothing after start-up compiles.
+        self.compile_count = 0
+        self.compile_s = 0.0  # seconds spent compiling (precompile included)
+        self.ready_s: float | None = None  # from start until the engine served
+        self.precompile_s: float | None = None  # from start until `precompiled()`
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
+        self._buckets = length_buckets(max_seq_len)
+        self._signature = (
+            self.graphdef, self.config, mesh, tuple(map(tuple, rules)), max_slots,
+            max_seq_len, decode_steps, *jax.tree.leaves(self._abstract_params),
+        )  # fmt: skip
+        self._precompile = precompile
+        self._compile_all = compile_all
+        self._ready = threading.Event()  # serving
+        self._precompiled = threading.Event()  # the ahead-of-need compiles are done
+        self._pending: list[tuple] = []  # background compiles, the next one first
+        self._pending_changed = threading.Condition()  # guards _pending and the counters
+        self._started_at = time.perf_counter()
+        self._compiler: threading.Thread | None = None
         self._cache: KVCache | None = self._new_cache()
         self._slots: list[_Slot | None] = [None] * max_slots
         self._next_token = np.zeros(max_slots, np.int32)
@@ -194,6 +255,7 @@ class JaxEngine(Engine):
             weights = nnx.state(weights)
         if isinstance(weights, nnx.State):
             weights = nnx.to_pure_dict(weights)
+        weights = self._conform(weights)
 
         def swap():
             # Wait for the copy: the caller may donate its buffers (a training update)
@@ -219,10 +281,26 @@ class JaxEngine(Engine):
 
         await self._call(resume)
 
+    async def ready(self) -> None:
+        """Returns once the engine serves (with `precompile`: once the cache and the
+        largest KV export and import are compiled)."""
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+
+    async def precompiled(self) -> None:
+        """Returns once the background compiler first ran out of work: KV import and
+        export for every bucket, what the engine asked for by then, and with
+        `compile_all` every bucket, are compiled. At once without `precompile`."""
+        if self._precompile:
+            await asyncio.get_running_loop().run_in_executor(None, self._precompiled.wait)
+
     async def shutdown(self) -> None:
         self._stopping = True
         self._post(lambda: None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self._compiler is not None:  # stops after the compile in progress
+            with self._pending_changed:
+                self._pending_changed.notify_all()
+            await asyncio.get_running_loop().run_in_executor(None, self._compiler.join)
 
     def simulate_failure(self, kind: str) -> None:
         """Test hook: "die" stops the engine thread with an error; "hang" freezes it."""
@@ -252,21 +330,29 @@ class JaxEngine(Engine):
     def _run(self) -> None:
         try:
             with jax.set_mesh(self.mesh), sharding.axis_rules(self.rules):
+                if self._precompile:
+                    self._precompile_start()
+                self._ready.set()
+                progress = True
                 while not self._stopping:
                     self.heartbeat = time.monotonic()
                     ready = self._params is not None and self._cache is not None
-                    self._drain_commands(block=not (ready and self._busy()))
+                    # Block (briefly) for commands unless there is work that can run now;
+                    # work waiting for a background compile is polled.
+                    self._drain_commands(block=not (ready and self._busy() and progress))
                     if self._stopping or self._params is None or self._cache is None:
                         continue
-                    self._admit()
+                    progress = self._admit()
                     if any(s is not None for s in self._slots):
-                        self._decode()
+                        progress = self._decode() or progress
         except _Hang:
             while not self._stopping:  # frozen: no heartbeat, no progress
                 time.sleep(0.05)
         except BaseException as e:  # the engine is dead: no request may hang
             self._failure = f"engine {self.name} failed: {e!r}"
             logging.error("%s", self._failure)
+        self._ready.set()  # nobody waits for an engine that will never serve
+        self._precompiled.set()
         self._fail_all(self._failure or f"engine {self.name} shut down")
 
     def _busy(self) -> bool:
@@ -326,16 +412,197 @@ class JaxEngine(Engine):
         if len(request.sampling.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"request {request.request_id!r}: more than {MAX_STOP_IDS} stop ids")
 
-    def _new_cache(self) -> KVCache:
-        cache = KVCache.create(self.config, self.max_slots, self.max_seq_len)
-        return jax.device_put(
-            cache,
-            KVCache(
-                k=(self._cache_sharding,) * self.config.num_layers,
-                v=(self._cache_sharding,) * self.config.num_layers,
-                lengths=self._replicated,
-            ),
+    def _conform(self, weights):
+        """`weights` as the compiled functions expect them: same tree and shapes as the
+        engine's parameters (else ValueError), same dtypes (cast on the host if not:
+        casting on the device would compile)."""
+        if jax.tree.structure(weights) != jax.tree.structure(self._abstract_params):
+            raise ValueError(f"engine {self.name}: weights do not match the model's parameters")
+
+        def conform(path, x, want):
+            if tuple(x.shape) != want.shape:
+                raise ValueError(
+                    f"engine {self.name}: weight {jax.tree_util.keystr(path)} has shape "
+                    f"{tuple(x.shape)}, the model has {want.shape}"
+                )
+            return x if x.dtype == want.dtype else np.asarray(x).astype(want.dtype)
+
+        return jax.tree_util.tree_map_with_path(conform, weights, self._abstract_params)
+
+    # --- compiled executables -----------------------------------------------------------
+
+    def _executable_keys(self) -> tuple[list[tuple], list[tuple], list[tuple]]:
+        """What the engine compiles: before serving (the cache; KV export at the largest
+        bucket, which fits any length, and the import of such rows), in the background
+        ahead of need (KV import, then export, for every bucket: small, and in the same
+        order on every engine, so that the bucket an exporter uses is compiled on its
+        importer too), and the prefill and decode buckets (in the background when first
+        needed, or ahead with `compile_all`)."""
+        largest = self._buckets[-1]
+        dtype = jnp.dtype(self.config.dtype).name
+        serving = [("cache",), ("export", largest), ("import", largest, dtype)]
+        smaller = self._buckets[:-1]
+        ahead = [("import", b, dtype) for b in smaller] + [("export", b) for b in smaller]
+        buckets = [(kind, b) for b in reversed(self._buckets) for kind in ("decode", "prefill")]
+        return serving, ahead, buckets
+
+    def _precompile_start(self) -> None:
+        """Compiles what serving needs on the engine thread (small; commands are still
+        answered between two compiles), then starts the background compiler."""
+        serving, ahead, buckets = self._executable_keys()
+        for key in serving:
+            if self._stopping:
+                return
+            self.heartbeat = time.monotonic()
+            self._executable(key)
+            self._drain_commands(block=False)
+        self.ready_s = time.perf_counter() - self._started_at
+        logging.info(
+            "engine %s serves after %.1f s (%d executables compiled, length buckets %s)",
+            self.name, self.ready_s, self.compile_count, self._buckets,
+        )  # fmt: skip
+        with self._pending_changed:
+            self._pending = ahead + (buckets if self._compile_all else [])
+        self._compiler = threading.Thread(
+            target=self._compile_in_background, name=f"engine-{self.name}-compile", daemon=True
         )
+        self._compiler.start()
+
+    def _compile_in_background(self) -> None:
+        """Compiles pending executables one by one, the ones the engine asked for first,
+        until the engine stops."""
+        try:
+            while True:
+                with self._pending_changed:
+                    while not self._pending and not self._stopping:
+                        if not self._precompiled.is_set():
+                            self.precompile_s = time.perf_counter() - self._started_at
+                            logging.info(
+                                "engine %s: precompiled after %.1f s (%d executables, %.1f "
+                                "s compiling)", self.name, self.precompile_s,
+                                self.compile_count, self.compile_s,
+                            )  # fmt: skip
+                            self._precompiled.set()
+                        self._pending_changed.wait()
+                    if self._stopping:
+                        return
+                    key = self._pending.pop(0)
+                self._executable(key)
+        except Exception as e:  # the engine serves on with the buckets it has
+            logging.error("engine %s: background compile failed: %r", self.name, e)
+        finally:
+            self._precompiled.set()
+
+    def _bucketed(self, kind: str, length: int) -> tuple[jax.stages.Compiled, int] | None:
+        """The prefill, decode or export executable for `length` (a bucket) and the
+        bucket it runs at. Without `precompile`: `length`'s own, compiled now if need
+        be. With it, never a compile on this thread: the smallest compiled bucket >=
+        length, or None if there is none yet (a prefill or decode bucket wanted goes to
+        the front of the background queue)."""
+        key = (kind, length)
+        if key in self._executables or not self._precompile:
+            return self._executable(key), length
+        if kind != "export":  # exports keep their place after the imports (_executable_keys)
+            with self._pending_changed:
+                if key in self._pending:
+                    self._pending.remove(key)
+                self._pending.insert(0, key)
+                self._pending_changed.notify_all()
+        for bucket in self._buckets:
+            if bucket >= length and (kind, bucket) in self._executables:
+                return self._executables[(kind, bucket)], bucket
+        return None
+
+    def _executable(self, key: tuple) -> jax.stages.Compiled:
+        """The compiled executable for `key`: this engine's, another engine's with the
+        same signature, or compiled now (counted in `compile_count`)."""
+        executable = self._executables.get(key)
+        if executable is not None:
+            return executable
+        shared = (self._signature, key)
+        with _SHARED_GUARD:
+            lock = _SHARED_LOCKS[shared]
+        with lock:  # an engine compiling the same executable: wait for it, not again
+            executable = _SHARED.get(shared)
+            if executable is None:
+                start = time.perf_counter()
+                executable = _SHARED[shared] = self._compile(key)
+                elapsed = time.perf_counter() - start
+                with self._pending_changed:  # the engine and background threads both count
+                    self.compile_count += 1
+                    self.compile_s += elapsed
+                serving = self._ready.is_set() and threading.current_thread() is self._thread
+                if serving and self._precompile:  # a shape the precompile did not foresee
+                    logging.warning("engine %s compiled %s while serving (%.1f s)",
+                                    self.name, key, elapsed)  # fmt: skip
+        self._executables[key] = executable
+        return executable
+
+    def _compile(self, key: tuple) -> jax.stages.Compiled:
+        """Lowers and compiles one executable for this cell (ahead of time, with the
+        shardings pinned so that outputs fed back in match what was compiled).
+
+        Keys: ("cache",) allocates the KV cache; ("prefill", T) runs one prompt padded to
+        T; ("decode", A) runs `decode_steps` steps attending to A cache positions;
+        ("export", L) reads one slot's first L positions; ("import", L, dtype) writes L
+        rows of that dtype into a slot.
+        """
+        rep, cache, params = self._replicated, self._abstract_cache(), self._abstract_params
+
+        def host(shape, dtype):  # arrays the engine passes from NumPy
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        def sampling(n):  # see `_sampling_arrays`
+            return (host((n,), jnp.float32), host((n,), jnp.int32), host((n,), jnp.float32),
+                    host((n,), jnp.int32), host((n,), jnp.int32), host((n,), jnp.int32),
+                    host((n, MAX_STOP_IDS), jnp.int32))  # fmt: skip
+
+        kind, *rest = key
+        if kind == "cache":
+            fn = functools.partial(KVCache.create, self.config, self.max_slots, self.max_seq_len)
+            jitted, args = jax.jit(fn, out_shardings=self._cache_shardings), ()
+        elif kind == "prefill":
+            (length,) = rest
+            fn = functools.partial(_prefill, self.graphdef)
+            jitted = jax.jit(
+                fn, donate_argnums=(4,), out_shardings=(rep, rep, self._cache_shardings)
+            )
+            one = host((1,), jnp.int32)
+            args = (params, host((1, length), jnp.int32), one, one, cache, *sampling(1)[:5])
+        elif kind == "decode":
+            (length,) = rest
+            fn = functools.partial(_decode_steps, self.graphdef, self.decode_steps, length)
+            jitted = jax.jit(
+                fn, donate_argnums=(2,), out_shardings=(rep, rep, rep, self._cache_shardings)
+            )
+            s = self.max_slots
+            args = (params, host((s,), jnp.int32), cache, host((s,), jnp.bool_), *sampling(s),
+                    host((), jnp.int32))  # fmt: skip
+        elif kind == "export":
+            (length,) = rest
+            jitted = jax.jit(functools.partial(_read_rows, length), out_shardings=rep)
+            args = (cache, host((), jnp.int32))
+        elif kind == "import":
+            length, dtype = rest
+            fn = functools.partial(_write_rows, min(length, self.max_seq_len))
+            jitted = jax.jit(fn, donate_argnums=(0,), out_shardings=self._cache_shardings)
+            shape = (self.config.num_kv_heads, length, self.config.head_dim)
+            rows = (host(shape, dtype),) * self.config.num_layers
+            args = (cache, rows, rows, host((), jnp.int32), host((), jnp.int32))
+        else:
+            raise ValueError(f"unknown executable {key!r}")
+        with jax.set_mesh(self.mesh), sharding.axis_rules(self.rules):
+            return jitted.lower(*args).compile()
+
+    def _abstract_cache(self) -> KVCache:
+        shape = (self.max_slots, self.config.num_kv_heads, self.max_seq_len, self.config.head_dim)
+        layer = jax.ShapeDtypeStruct(shape, self.config.dtype, sharding=self._cache_sharding)
+        layers = (layer,) * self.config.num_layers
+        lengths = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self._replicated)
+        return KVCache(k=layers, v=layers, lengths=lengths)
+
+    def _new_cache(self) -> KVCache:
+        return self._executable(("cache",))()
 
     def _finish(self, index: int, reason: str) -> None:
         slot = self._slots[index]
@@ -387,14 +654,25 @@ class JaxEngine(Engine):
             stops[i, : len(p.stop_ids)] = p.stop_ids
         return temperature, top_k, top_p, seed, index, max_new, stops
 
-    def _admit(self) -> None:
-        """Prefills (or imports) waiting requests into free slots."""
+    def _admit(self) -> bool:
+        """Prefills (or imports) waiting requests into free slots; returns whether any
+        was. A prompt whose prefill is not compiled yet keeps waiting (others go first).
+        Stops after the one in progress when a command arrives, so that an export (a
+        drain) never waits for a queue of prefills."""
+        admitted, deferred = False, []
         while self._waiting and None in self._slots:
             live, future, loop = self._waiting.popleft()
             if future.done():  # cancelled while waiting
                 with self._load_lock:
                     self._load -= 1
                 continue
+            prefill = None
+            if live.kv is None or not len(live.output_ids):
+                n = len(live.request.prompt_ids) + len(live.output_ids)
+                prefill = self._bucketed("prefill", min(bucket_length(n), self.max_seq_len))
+                if prefill is None:
+                    deferred.append((live, future, loop))
+                    continue
             index = self._slots.index(None)
             self._slots[index] = _Slot(
                 request=live.request,
@@ -405,23 +683,28 @@ class JaxEngine(Engine):
                 versions=list(map(int, live.versions)),
                 engines=(*live.engines, self.name),
             )
-            if live.kv is not None and len(live.output_ids):
+            if prefill is None:
                 self._import_kv(index, live)
             else:
-                self._prefill(index)
+                self._prefill(index, *prefill)
+            admitted = True
+            if not self._commands.empty():
+                break
+        self._waiting.extendleft(reversed(deferred))
+        return admitted
 
-    def _prefill(self, index: int) -> None:
-        """Runs prompt (+ tokens already generated elsewhere) and samples the next token."""
+    def _prefill(self, index: int, prefill: jax.stages.Compiled, bucket: int) -> None:
+        """Runs prompt (+ tokens already generated elsewhere) and samples the next token
+        (`prefill`: the executable for `bucket`, which holds the context)."""
         slot = self._slots[index]
         context = np.concatenate([slot.request.prompt_ids, np.asarray(slot.output, np.int32)])
         n = len(context)
-        bucket = min(bucket_length(n), self.max_seq_len)
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n] = context
         arrays = self._sampling_arrays([index])
-        token, logprob, self._cache = _prefill(
-            self.graphdef, self._params, tokens, np.array([n], np.int32),
-            np.array([index], np.int32), self._cache, *arrays[:5],
+        token, logprob, self._cache = prefill(
+            self._params, tokens, np.array([n], np.int32), np.array([index], np.int32),
+            self._cache, *arrays[:5],
         )  # fmt: skip
         slot.length = n
         token, logprob = jax.device_get((token, logprob))
@@ -433,23 +716,52 @@ class JaxEngine(Engine):
         """Writes an exported request's cache rows into slot `index` (device to device)."""
         slot = self._slots[index]
         n = len(live.request.prompt_ids) + len(live.output_ids) - 1
-        bucket = min(bucket_length(n), self.max_seq_len)
-        ks = tuple(_pad_length(jax.device_put(k, self._replicated), bucket) for k, _ in live.kv)
-        vs = tuple(_pad_length(jax.device_put(v, self._replicated), bucket) for _, v in live.kv)
-        self._cache = _write_rows(self._cache, ks, vs, np.int32(index), np.int32(n))
+        rows = live.kv[0][0]
+        if rows.shape[1] < n:
+            raise ValueError(
+                f"request {live.request.request_id!r}: {rows.shape[1]} KV rows for {n} positions"
+            )
+        key = ("import", int(rows.shape[1]), rows.dtype.name)
+        if key in self._executables or not self._precompile:
+            write = self._executable(key)
+            ks = tuple(jax.device_put(k, self._replicated) for k, _ in live.kv)
+            vs = tuple(jax.device_put(v, self._replicated) for _, v in live.kv)
+        else:
+            # Rows whose import is not compiled yet (or from another kind of engine): fit
+            # them on the host into the smallest compiled bucket that holds n positions,
+            # rather than compile on this thread.
+            dtype = jnp.dtype(self.config.dtype).name
+            bucket = next(
+                b for b in self._buckets if b >= n and ("import", b, dtype) in self._executables
+            )
+            write = self._executables[("import", bucket, dtype)]
+
+            def fit(x):
+                x = np.asarray(x)[:, :bucket].astype(dtype)
+                x = np.pad(x, ((0, 0), (0, bucket - x.shape[1]), (0, 0)))
+                return jax.device_put(x, self._replicated)
+
+            ks = tuple(fit(k) for k, _ in live.kv)
+            vs = tuple(fit(v) for _, v in live.kv)
+        self._cache = write(self._cache, ks, vs, np.int32(index), np.int32(n))
         slot.length = n
         self._next_token[index] = int(live.output_ids[-1])
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """Runs `decode_steps` steps for every slot; False if no decode executable that
+        fits is compiled yet (the slots wait for the background compile)."""
         active_idx = [i for i, s in enumerate(self._slots) if s is not None]
         active = np.zeros(self.max_slots, bool)
         active[active_idx] = True
         longest = max(self._slots[i].length for i in active_idx)
         attend = min(bucket_length(longest + self.decode_steps), self.max_seq_len)
+        found = self._bucketed("decode", attend)
+        if found is None:
+            return False
         arrays = self._sampling_arrays(list(range(self.max_slots)))
-        tokens, logprobs, emitted, self._cache = _decode_steps(
-            self.graphdef, self._params, self._next_token.copy(), self._cache, active,
-            *arrays, np.int32(self.max_seq_len), self.decode_steps, attend,
+        tokens, logprobs, emitted, self._cache = found[0](
+            self._params, self._next_token.copy(), self._cache, active, *arrays,
+            np.int32(self.max_seq_len),
         )  # fmt: skip
         tokens, logprobs, emitted = jax.device_get((tokens, logprobs, emitted))
         for step in range(self.decode_steps):
@@ -461,6 +773,7 @@ class JaxEngine(Engine):
                 reason = self._emit(int(i), int(tokens[step, i]), float(logprobs[step, i]))
                 if reason:
                     self._finish(int(i), reason)
+        return True
 
     def _find(self, request_id: str):
         for index, slot in enumerate(self._slots):
@@ -481,11 +794,10 @@ class JaxEngine(Engine):
                     return live
             raise KeyError(f"engine {self.name} holds no request {request_id!r}")
         slot = self._slots[index]
-        n = slot.length
-        kv = tuple(
-            (self._cache.k[layer][index, :, :n], self._cache.v[layer][index, :, :n])
-            for layer in range(self.config.num_layers)
-        )
+        # Rows up to a length bucket, not exactly n: one compiled copy per bucket (the
+        # largest is compiled before the engine serves, so some always fits).
+        export, _ = self._bucketed("export", min(bucket_length(slot.length), self.max_seq_len))
+        kv = export(self._cache, np.int32(index))
         live = LiveRequest(
             request=slot.request,
             output_ids=np.asarray(slot.output, np.int32),
@@ -520,34 +832,49 @@ class _Hang(Exception):
     """Raised on the engine thread by `simulate_failure("hang")`."""
 
 
-def _pad_length(x: jax.Array, length: int) -> jax.Array:
-    """[KV, n, D] -> [KV, length, D] (zeros after n)."""
-    return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0)))
+def length_buckets(max_len: int) -> list[int]:
+    """Every length `min(bucket_length(n), max_len)` takes for 1 <= n <= max_len: the
+    prompt, attention and KV-copy lengths an engine with this cache length compiles."""
+    buckets, length = [], bucket_length(1)
+    while length < max_len:
+        buckets.append(length)
+        length *= 2
+    return [*buckets, max_len]
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_rows(cache: KVCache, ks, vs, slot, length) -> KVCache:
+def _read_rows(length: int, cache: KVCache, slot) -> tuple:
+    """Per layer (k, v) [KV, length, D]: the first `length` positions of cache `slot`."""
+
+    def read(layer_cache):
+        return jax.lax.dynamic_index_in_dim(layer_cache, slot, keepdims=False)[:, :length]
+
+    return tuple((read(k), read(v)) for k, v in zip(cache.k, cache.v, strict=True))
+
+
+def _write_rows(length: int, cache: KVCache, ks, vs, slot, n) -> KVCache:
+    """Writes the first `length` of each layer's rows [KV, >= length, D] into cache
+    `slot`, which then holds `n` valid positions (rows past n are never attended)."""
+
     def write(layer_cache, rows):
-        return jax.lax.dynamic_update_slice(layer_cache, rows[None].astype(layer_cache.dtype),
-                                            (slot, 0, 0, 0))  # fmt: skip
+        rows = rows[None, :, :length].astype(layer_cache.dtype)
+        return jax.lax.dynamic_update_slice(layer_cache, rows, (slot, 0, 0, 0))
 
     k = tuple(write(c, r) for c, r in zip(cache.k, ks, strict=True))
     v = tuple(write(c, r) for c, r in zip(cache.v, vs, strict=True))
-    return KVCache(k, v, cache.lengths.at[slot].set(length))
+    return KVCache(k, v, cache.lengths.at[slot].set(n))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5,))
 def _prefill(graphdef, params, tokens, lengths, slots, cache, temperature, top_k, top_p, seed,
              index):  # fmt: skip
+    """Prefills prompts into cache slots and samples each one's next token."""
     model = nnx.merge(graphdef, params)
     logits, cache = model.prefill(tokens, lengths, slots, cache)
     token, logprob = sample_per_slot(logits, temperature, top_k, top_p, seed, index)
     return token, logprob, cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 13, 14), donate_argnums=(3,))
-def _decode_steps(graphdef, params, tokens, cache, active, temperature, top_k, top_p, seed,
-                  index, max_new, stops, max_len, num_steps, attend_len):  # fmt: skip
+def _decode_steps(graphdef, num_steps, attend_len, params, tokens, cache, active, temperature,
+                  top_k, top_p, seed, index, max_new, stops, max_len):  # fmt: skip
     """`num_steps` decode steps; returns tokens, log-probs and emitted masks [K, S]."""
     model = nnx.merge(graphdef, params)
 

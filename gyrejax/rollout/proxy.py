@@ -247,8 +247,17 @@ class Proxy:
             try:
                 future = engine.import_request(live) if live is not None else engine.submit(request)
                 failed = asyncio.ensure_future(state.failure.wait())
-                done, _ = await asyncio.wait({future, failed}, return_when=asyncio.FIRST_COMPLETED)
-                failed.cancel()
+                try:
+                    done, _ = await asyncio.wait(
+                        {future, failed}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                except asyncio.CancelledError:
+                    # The caller gave up (an execution's timeout): the engine must not keep
+                    # running the request, nor hold it when its cell is freed for training.
+                    engine.cancel(request.request_id)
+                    raise
+                finally:
+                    failed.cancel()
                 if future not in done:
                     future.cancel()
                     raise EngineError(f"engine {engine.name} declared failed")
@@ -332,24 +341,35 @@ class Proxy:
         kv_copies = resubmits = 0
         export_s = 0.0
         while source.in_flight:
+            targets = {}
             for request_id in list(source.in_flight):
                 if request_id in self._destination:
                     continue
                 target = self._route_for_migration(exclude=name)
                 target.reserved += 1
                 self._destination[request_id] = target.engine.name
-                t0 = time.perf_counter()
-                try:
-                    await source.engine.export(request_id)
-                except KeyError:  # it finished meanwhile
+                targets[request_id] = target
+            # All exports at once: the engine takes them in one pass between two decode
+            # calls, instead of one request per engine iteration.
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(source.engine.export(request_id) for request_id in targets),
+                return_exceptions=True,
+            )
+            export_s += time.perf_counter() - t0
+            error = None
+            for (request_id, target), result in zip(targets.items(), results, strict=True):
+                if isinstance(result, BaseException):  # KeyError: it finished meanwhile
                     target.reserved -= 1
                     self._destination.pop(request_id, None)
-                    continue
-                export_s += time.perf_counter() - t0
-                if source.engine.exports_kv and target.engine.exports_kv:
+                    if not isinstance(result, KeyError):
+                        error = error or result
+                elif source.engine.exports_kv and target.engine.exports_kv:
                     kv_copies += 1
                 else:
                     resubmits += 1
+            if error is not None:
+                raise error
             await asyncio.sleep(0)  # let the awaiting calls pick up their live state
         return DrainReport(
             engine=name,

@@ -86,9 +86,10 @@ class LiveRequest:
     Attributes:
       request: the original request.
       output_ids, logprobs, versions: what was generated so far.
-      kv: per layer (k, v) as arrays [KV, n, D] holding the first n = prompt + output - 1
-        positions, where the engine can export its cache; None means the importer
-        re-computes them from prompt + output (re-submit).
+      kv: per layer (k, v) as arrays [KV, m, D] whose first n = prompt + output - 1
+        positions hold the cache (m >= n: an exporter may pad to a length bucket, so
+        that copies take few shapes), where the engine can export its cache; None means
+        the importer re-computes them from prompt + output (re-submit).
       engines: the engines that served it so far.
     """
 

@@ -279,6 +279,15 @@ class Runtime:
     async def _start_engines(self) -> None:
         for cell in self.cells:
             self.engines[cell.index] = self._new_engine(cell)
+        self._spawn(self._precompile_training())
+
+    async def _precompile_training(self) -> None:
+        """Compiles every cell's micro-step once the engines compiled what they first
+        needed (not to slow the first rollouts), so that a cell's first join does not
+        compile inside a step."""
+        await asyncio.gather(*(e.precompiled() for e in self.engines.values()))
+        for cell in self.cells:
+            await asyncio.to_thread(self.trainer.precompile, cell)
 
     async def _weights_for(self, engine: Engine):
         """What `engine.update_weights` gets for the trainer's current weights (called
@@ -325,6 +334,7 @@ class Runtime:
             max_seq_len=r.max_seq_len,
             rules=r.sharding_rules,
             version=self.trainer.version,
+            precompile=True,  # no role switch waits for a compile
         )
 
     def _dispatch_group(self) -> None:
