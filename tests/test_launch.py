@@ -8,10 +8,14 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, load_config_file
+from test_trainer import damage_checkpoint
 
+from gyrejax.cells import split_into_cells
 from gyrejax.config import from_dict
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
+from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.train.trainer import ElasticTrainer
 
 
 def launch(*args, timeout=300):
@@ -71,3 +75,28 @@ def test_bad_config_exits_with_one_clear_line(tmp_path, override, message):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gyrejax.launch: ") and message in last, last
+
+
+def test_unreadable_checkpoints_are_one_clear_line_and_stay_where_they_are(tmp_path):
+    """Both checkpoints an RL run left are damaged: launch says so in one line, and moves
+    nothing (a rerun must not silently start afresh)."""
+    config = from_dict(load_config_file("tiny_cpu", "smoke"))
+    trainer = ElasticTrainer(
+        init_model(config.model), split_into_cells(config.cells)[0], rl=config.rl,
+        train=config.train,
+    )  # fmt: skip
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints", config.checkpoint)
+    for step in (1, 2):
+        trainer.step = trainer.version = step
+        trainer.save(checkpointer, {"trained_groups": [], "next_seq": 0, "burst": 0, "seed": 0})
+    checkpointer.close()
+    damage_checkpoint(tmp_path / "checkpoints" / "2", "data")
+    damage_checkpoint(tmp_path / "checkpoints" / "1", "metadata")
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+    result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"gyrejax.launch: no readable checkpoint under {tmp_path}"), last
+    assert "step 2: " in last and "step 1: " in last
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
