@@ -65,7 +65,10 @@ def test_launch_tiny_cpu_smoke(tmp_path):
         ("--config.model.num_layers=-1", "config.model.num_layers=-1: expected a positive integer"),
         ("--config.cells.size=3", "config.cells.size=3: must equal cells.fsdp * cells.tensor"),
         ("--config.rl.loss=nope", "config.rl.loss='nope': expected one of"),
-        ("--config.model.hidden=3", "--config.model.hidden=3: unknown config key 'hidden'"),
+        (
+            "--config.model.hidden=3",
+            "config: unknown field 'model.hidden'; did you mean 'model.hidden_size'?",
+        ),
         ("--config.model.hf_checkpoint=/no/such/dir", "/no/such/dir: not a directory"),
     ],
 )
@@ -75,6 +78,44 @@ def test_bad_config_exits_with_one_clear_line(tmp_path, override, message):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gyrejax.launch: ") and message in last, last
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--config.seed=-5"], "config.seed=-5: expected an integer >= 0"),
+        (
+            ["--config.scheduler.policy=async", "--config.scheduler.async_training_cells=4"],
+            "config.scheduler.async_training_cells=4: must be below the number of cells, 4 "
+            "(8 devices / cells.size=2): the async policy keeps at least one cell rolling out",
+        ),
+        (
+            ["--config.model.vocab_size=100"],
+            "config.model.vocab_size=100: below the harness tokenizer's vocabulary of 264 "
+            "tokens (its token ids would index past the embedding)",
+        ),
+        (
+            ["--config.train.executions_dir={tmp}/no-store"],
+            "config.train.executions_dir={tmp}/no-store: not a directory",
+        ),
+        (
+            ["--config.model.num_layerz=3"],
+            "config: unknown field 'model.num_layerz'; did you mean 'model.num_layers'?",
+        ),
+    ],
+)
+def test_config_errors_are_one_line_before_anything_is_built(tmp_path, overrides, message):
+    """Each is found before a model is built or the workdir is written (the times are
+    measured, not asserted: see the commit that added this test)."""
+    workdir = tmp_path / "work"
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
+    result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(workdir), *overrides)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"gyrejax.launch: {message.format(tmp=tmp_path)}"
+    assert "model:" not in result.stderr  # run.py logs the model once it is built
+    assert not workdir.exists()
 
 
 def test_unreadable_checkpoints_are_one_clear_line_and_stay_where_they_are(tmp_path):
