@@ -68,6 +68,9 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
             config.rl, loss="sft", groups_per_step=config.warmup.groups_per_step, j_max=100
         ),
         checkpoint=dataclasses.replace(config.checkpoint, export_hf=False),
+        # SFT on a stored set rolls nothing out: the RL loop's external engines are not
+        # its (and a stored-set config refuses them).
+        rollout=dataclasses.replace(config.rollout, vllm_servers=(), engine_servers=()),
     )
     result = train_on_store(sft, cells, model, workdir / "warmup")
     logging.info("warm start: %d SFT steps (%s)", result.trainer.step, result.summary()["last"])
