@@ -9,6 +9,10 @@ one, and drops rows the resumed run will write again (metric rows of steps past 
 restored checkpoint), so each step appears once. Rewrites are atomic (temp file, fsync,
 rename): a kill during one leaves the old log or the new one, never a mix.
 
+`mark` notes moments (a training step, a checkpoint write, ...) in the file named by
+the GYREJAX_MARKERS environment variable, for a fault-injection harness
+(`benchmarks/chaos.py`) to aim its kills at; unset, it does nothing.
+
 Pure Python: no JAX, no gyrejax imports.
 """
 
@@ -18,6 +22,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,3 +146,19 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """Appends one record as one line (flushed to the OS when this returns)."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+MARKERS_ENV = "GYREJAX_MARKERS"
+
+
+def mark(event: str) -> None:
+    """Appends "<unix time> <event>" to the file $GYREJAX_MARKERS names, if it is set.
+
+    Events come in pairs, "<moment>" when it begins and "<moment> done" when it ends, so
+    a harness that kills the process can tell whether the kill landed inside. Nothing
+    else depends on it: it changes no behaviour.
+    """
+    path = os.environ.get(MARKERS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{time.time():.6f} {event}\n")

@@ -25,6 +25,7 @@ from gyrejax.harness.agent import Harness
 from gyrejax.harness.demonstrations import demonstration_executions
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.tasks import draw_tasks
+from gyrejax.logs import mark
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
@@ -34,6 +35,7 @@ from gyrejax.trajectory import Execution, ExecutionStore
 
 def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: Path) -> Transformer:
     """SFT on demonstrations; returns the model with the trained weights."""
+    mark("warm_start")  # for benchmarks/chaos.py
     env = get_environment(config.harness.environment)
     store = ExecutionStore(workdir / "demonstrations")
     if len(store) < config.warmup.demonstrations:
@@ -74,6 +76,7 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
     )
     result = train_on_store(sft, cells, model, workdir / "warmup")
     logging.info("warm start: %d SFT steps (%s)", result.trainer.step, result.summary()["last"])
+    mark("warm_start done")
     return result.trainer.model()
 
 

@@ -50,7 +50,7 @@ from gyrejax.config import Config, ConfigError
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.tasks import draw_tasks
-from gyrejax.logs import append_jsonl, prepare_for_append, read_jsonl, up_to_step
+from gyrejax.logs import append_jsonl, mark, prepare_for_append, read_jsonl, up_to_step
 from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
@@ -385,6 +385,7 @@ class Runtime:
                 logging.warning("groups %s have nothing to train; skipped", group_ids)
                 self.trained_groups += group_ids
                 return
+            mark("step")  # for benchmarks/chaos.py; "step done" comes with its metrics row
             report = await loop.run_in_executor(None, self.trainer.train_step, batch)
             self.trained_groups += group_ids
             self.steps_in_burst += 1
@@ -400,6 +401,7 @@ class Runtime:
     async def _publish(self) -> None:
         """Ends a burst: the rollout engines get the newest weights. An external engine
         that fails its update is dropped like one that crashed; the run goes on."""
+        mark("publish")  # for benchmarks/chaos.py, like "transition" below
         start = time.perf_counter()
         version = self.trainer.version
         live = [
@@ -455,6 +457,7 @@ class Runtime:
         }
         self.bad_records = 0
         append_jsonl(self.workdir / "metrics.jsonl", record)
+        mark("step done")
         logging.info(
             "step %d: reward %.3f loss %.4f tokens %d staleness %.1f cells %s roles %s (%.1f s)",
             report.step, record["reward"] or 0.0, report.metrics.get("loss", float("nan")),
@@ -474,6 +477,7 @@ class Runtime:
     async def _transition_worker(self) -> None:
         while True:
             index, role, burst = await self._transitions.get()
+            mark("transition")  # for benchmarks/chaos.py; "... done" with its log record
             start = time.perf_counter()
             cell = self.cells[index]
             self.timeline.append((self._now(), index, "switching"))
@@ -526,6 +530,7 @@ class Runtime:
         burst = self.burst if burst is None else burst
         record = {"time_s": self._now(), "cell": index, "kind": kind, "burst": burst, **phases}
         append_jsonl(self.workdir / "transitions.jsonl", record)
+        mark("publish done" if kind == "publish" else "transition done")
         logging.info("transition %s cell %s: %s", kind, index, phases)
 
     # --- monitoring, checkpoints, resume -----------------------------------------------------

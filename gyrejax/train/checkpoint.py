@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from gyrejax.config import CheckpointConfig
+from gyrejax.logs import mark
 from gyrejax.model.hf_io import CheckpointError
 
 # Suffix of a checkpoint moved aside: `<step>.corrupt-<time>` is no step name to Orbax.
@@ -123,6 +124,7 @@ class TrainCheckpointer:
         Raises:
           CheckpointError naming the step directory (disk full, permissions, ...).
         """
+        mark("checkpoint")  # for benchmarks/chaos.py
         try:
             self._manager.save(
                 step,
@@ -138,6 +140,7 @@ class TrainCheckpointer:
             raise CheckpointError(
                 f"checkpoint {self.step_path(step)}: cannot save: {_first_line(e)}"
             ) from e
+        mark("checkpoint done")
 
     def _restore_step(self, step: int, params_target, opt_state_target):
         restored = self._manager.restore(
