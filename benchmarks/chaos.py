@@ -1,6 +1,7 @@
 """Fault injection: SIGKILL the main job at chosen moments, restart it, check what it kept.
 
   python benchmarks/chaos.py [--quick] [--json PATH] [--kills N] [--seed S] [--workdir DIR]
+                             [--moments warm_start,rollout,step,checkpoint,publish,transition]
 
 The main job is the tiny CPU run, started as a user starts it:
 
@@ -60,10 +61,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MOMENTS = ("warm_start", "rollout", "step", "checkpoint", "publish", "transition")
-# After a moment begins, the kill waits a random delay up to this many seconds (about
-# the moment's length on 2 loaded cores, so most kills land inside it).
-MAX_DELAY_S = {"warm_start": 40.0, "rollout": 4.0, "step": 0.5, "checkpoint": 0.3,
-               "publish": 0.5, "transition": 2.0}  # fmt: skip
+# After a moment begins, the kill waits a random delay up to this many seconds (below
+# the moment's length on 2 loaded cores, so most kills land inside it: measured from the
+# markers, a warm start takes 30-70 s, a step 0.2-80 s (the first one compiles), a
+# checkpoint 0.2-0.9 s, a publication with its HF export 0.04-0.2 s).
+MAX_DELAY_S = {"warm_start": 30.0, "rollout": 4.0, "step": 0.15, "checkpoint": 0.2,
+               "publish": 0.04, "transition": 2.0}  # fmt: skip
 MOMENT_TIMEOUT_S = 900.0  # a moment that never comes: the run is stuck
 MARKERS = "chaos_markers.log"
 # The shared token of the engine servers this benchmark starts, in the environment of
@@ -480,12 +483,15 @@ def command_for(config: str, run: Path, scenario: Scenario) -> list[str]:
             *scenario.overrides]  # fmt: skip
 
 
-def chaos(root: Path, scenario: Scenario, kills: int, seed: int, log=print) -> dict:
-    """Runs the main job again and again, killing it `kills` times (module docstring)."""
+def chaos(root: Path, scenario: Scenario, kills: int, seed: int, log=print, only=MOMENTS) -> dict:
+    """Runs the main job again and again, killing it `kills` times (module docstring),
+    at the moments of `only` the scenario has."""
     rng = random.Random(seed)
-    moments = [m for m in MOMENTS if scenario.warm_start or m != "warm_start"]
+    moments = [m for m in only if scenario.warm_start or m != "warm_start"]
     if not scenario.engine_server:  # no export to publish: a publication is instant
         moments = [m for m in moments if m != "publish"]
+    if not moments:
+        raise ValueError(f"none of the moments {only} happens in this scenario")
     results: list[Kill] = []
     runs: list[dict] = []
     server = None
@@ -765,6 +771,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--kills", type=int, default=None, help="default 20 (3 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--moments", default=",".join(MOMENTS), help=f"a subset of {','.join(MOMENTS)}"
+    )
     parser.add_argument("--workdir", help="keep the runs here (default: a temp dir, removed)")
     args = parser.parse_args()
     import jax
@@ -776,7 +785,12 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     try:
-        result = chaos(root, scenario, kills, args.seed, log=lambda m: print(m, flush=True))
+        only = tuple(m for m in args.moments.split(",") if m)
+        if set(only) - set(MOMENTS):
+            parser.error(f"--moments: unknown {sorted(set(only) - set(MOMENTS))}")
+        result = chaos(
+            root, scenario, kills, args.seed, log=lambda m: print(m, flush=True), only=only
+        )
         servers = {"engine server": engine_server_kill(root, args.quick)}
         if not args.quick:
             servers["vLLM server"] = vllm_server_kill(root)
