@@ -344,3 +344,17 @@ def test_no_readable_checkpoint_is_one_clear_error_and_nothing_is_moved(tmp_path
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
     with pytest.raises(CheckpointError, match=r"checkpoint .*/ck/2: unreadable"):
         fresh.restore(TrainCheckpointer(tmp_path / "ck", config), step=2)
+
+
+def test_a_missing_or_damaged_weights_snapshot_is_one_clear_error(tmp_path):
+    weights = {"w": jax.numpy.arange(4096, dtype=np.float32).reshape(64, 64)}
+    target = {"w": jax.ShapeDtypeStruct((64, 64), np.float32)}
+    with pytest.raises(CheckpointError, match=f"weights snapshot {tmp_path / 'none'}: unreadable"):
+        restore_weights(tmp_path / "none", target)
+    path = save_weights(tmp_path / "snapshot", weights)
+    data = [p for p in path.rglob("*") if p.is_file() and "/d/" in str(p)]
+    victim = max(data, key=lambda p: p.stat().st_size)
+    os.truncate(victim, victim.stat().st_size // 2)
+    with pytest.raises(CheckpointError) as error:
+        restore_weights(path, target)
+    assert "\n" not in str(error.value) and str(error.value).startswith(f"weights snapshot {path}")

@@ -217,15 +217,30 @@ class TrainCheckpointer:
 
 
 def save_weights(directory: str | os.PathLike, params) -> Path:
-    """Writes a weights-only snapshot (atomically, via a temporary directory)."""
+    """Writes a weights-only snapshot (atomically, via a temporary directory).
+
+    Raises:
+      CheckpointError naming the directory.
+    """
     path = Path(directory).absolute()
-    checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
-    checkpointer.save(path, _savable(params), force=True)
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
+        checkpointer.save(path, _savable(params), force=True)
+        checkpointer.wait_until_finished()
+    except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+        raise CheckpointError(f"weights snapshot {path}: cannot save: {_first_line(e)}") from e
     return path
 
 
 def restore_weights(directory: str | os.PathLike, target):
-    """Restores a weights-only snapshot laid out like `target` (any mesh or cell size)."""
-    checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
-    return checkpointer.restore(Path(directory).absolute(), target)
+    """Restores a weights-only snapshot laid out like `target` (any mesh or cell size).
+
+    Raises:
+      CheckpointError naming the directory (missing, or unreadable).
+    """
+    path = Path(directory).absolute()
+    try:
+        checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
+        return checkpointer.restore(path, target)
+    except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+        raise CheckpointError(f"weights snapshot {path}: unreadable: {_first_line(e)}") from e
