@@ -2,6 +2,7 @@
 
   python benchmarks/chaos.py [--quick] [--json PATH] [--kills N] [--seed S] [--workdir DIR]
                              [--moments warm_start,rollout,step,checkpoint,publish,transition]
+                             [--per_run K]
 
 The main job is the tiny CPU run, started as a user starts it:
 
@@ -326,11 +327,11 @@ def restore_checkpoints(directory: Path, problems: list[str]) -> dict[int, dict]
     aside = [p.name for p in directory.iterdir() if ".corrupt-" in p.name]
     if aside:
         problems.append(f"{directory}: checkpoints moved aside as unreadable: {aside}")
-    options = ocp.CheckpointManagerOptions(read_only=True)
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax warns that it is read-only
     with contextlib.ExitStack() as stack:
         stack.callback(absl_logging.set_verbosity, verbosity)
+        options = ocp.CheckpointManagerOptions(read_only=True)
         manager = stack.enter_context(ocp.CheckpointManager(directory, options=options))
         for step in manager.all_steps():
             try:
@@ -483,9 +484,18 @@ def command_for(config: str, run: Path, scenario: Scenario) -> list[str]:
             *scenario.overrides]  # fmt: skip
 
 
-def chaos(root: Path, scenario: Scenario, kills: int, seed: int, log=print, only=MOMENTS) -> dict:
+def chaos(
+    root: Path,
+    scenario: Scenario,
+    kills: int,
+    seed: int,
+    log=print,
+    only=MOMENTS,
+    per_run: int | None = None,
+) -> dict:
     """Runs the main job again and again, killing it `kills` times (module docstring),
-    at the moments of `only` the scenario has."""
+    at the moments of `only` the scenario has (each once per run, or `per_run` kills a
+    run)."""
     rng = random.Random(seed)
     moments = [m for m in only if scenario.warm_start or m != "warm_start"]
     if not scenario.engine_server:  # no export to publish: a publication is instant
@@ -503,7 +513,7 @@ def chaos(root: Path, scenario: Scenario, kills: int, seed: int, log=print, only
         run_index = 0
         while len(results) < kills:
             run = root / f"run{run_index}"
-            plan = _plan(moments, rng, scenario)
+            plan = _plan(moments, rng, per_run)
             seen = Seen()
             outcome = _one_run(run, run_index, config, scenario, plan, kills - len(results),
                                rng, seen, results, log)  # fmt: skip
@@ -526,10 +536,13 @@ _PHASE = {"warm_start": 0, "rollout": 1, "transition": 1, "step": 2, "checkpoint
           "publish": 2}  # fmt: skip
 
 
-def _plan(moments: list[str], rng: random.Random, scenario: Scenario) -> list[str]:
-    """The moments of one run: shuffled, then ordered by phase (a kill aimed at a moment
-    a run has passed would wait for nothing)."""
+def _plan(moments: list[str], rng: random.Random, per_run: int | None) -> list[str]:
+    """The moments of one run: each once (or `per_run` kills, cycling through them),
+    shuffled, then ordered by phase (a kill aimed at a moment a run has passed would
+    wait for nothing)."""
     order = list(moments)
+    if per_run is not None:
+        order = [order[i % len(order)] for i in range(per_run)]
     rng.shuffle(order)
     return sorted(order, key=_PHASE.__getitem__)
 
@@ -774,6 +787,9 @@ def main() -> None:
     parser.add_argument(
         "--moments", default=",".join(MOMENTS), help=f"a subset of {','.join(MOMENTS)}"
     )
+    parser.add_argument(
+        "--per_run", type=int, default=None, help="kills per run (default: each moment once)"
+    )
     parser.add_argument("--workdir", help="keep the runs here (default: a temp dir, removed)")
     args = parser.parse_args()
     import jax
@@ -789,8 +805,9 @@ def main() -> None:
         if set(only) - set(MOMENTS):
             parser.error(f"--moments: unknown {sorted(set(only) - set(MOMENTS))}")
         result = chaos(
-            root, scenario, kills, args.seed, log=lambda m: print(m, flush=True), only=only
-        )
+            root, scenario, kills, args.seed, log=lambda m: print(m, flush=True), only=only,
+            per_run=args.per_run,
+        )  # fmt: skip
         servers = {"engine server": engine_server_kill(root, args.quick)}
         if not args.quick:
             servers["vLLM server"] = vllm_server_kill(root)
