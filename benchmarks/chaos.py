@@ -24,19 +24,20 @@ command starts again; the kill counts as survived when the checks below hold and
 restart goes on (to the next kill, or to the end of the run). When a run completes
 before its next moment comes, the remaining kills go to a fresh run.
 
-Checked after every kill: every stored execution (RL store and demonstrations) reads,
-none seen before is lost; every checkpoint on disk restores and none was moved aside as
-corrupt; every HF export with a config.json loads; the metrics rows up to the newest
-checkpoint train no group twice and only groups that checkpoint records as trained.
-After the run: it exits 0, metrics.jsonl holds each step once, every log line reads, no
-export is left half-written, and no process of the job outlives it.
+Checked after every kill: no process of the job outlives it; every stored execution
+(RL store and demonstrations) reads, none seen before is lost; every checkpoint on disk
+restores and none was moved aside as corrupt; every HF export with a config.json loads;
+the metrics rows up to the newest checkpoint train no group twice and only groups that
+checkpoint records as trained. After the run: it exits 0, metrics.jsonl holds each step
+once, every log line reads, and no export is left half-written.
 
-Also: an engine server and (if vllm is installed; not with --quick) a vLLM server are
-killed mid-request behind the proxy, with a local JAX engine beside them; the request
-must complete there, equal to that engine's own greedy output.
+Also: an engine server (a JAX engine; scripted with --quick) and, if vllm is installed
+(not with --quick), a vLLM server are killed mid-request behind the proxy, beside a
+local engine; the request must complete there, equal to that engine's own answer.
 
 Reports kills survived / tried, per moment, and the server kills; --json writes it all.
-On 2 shared CPU cores the full run takes about an hour, --quick about 5 minutes.
+On 2 shared CPU cores the full run (20 kills, about 4 runs) takes 40 minutes, --quick
+4 minutes (10 when the cores are busy).
 """
 
 from __future__ import annotations
