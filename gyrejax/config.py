@@ -11,6 +11,7 @@ dotted field and the bad value, so a typo or a bad override fails with one clear
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -410,6 +411,10 @@ class Config:
     seed: int = 0
 
     def __post_init__(self):
+        # numpy seeds the task draws and admission: it refuses negative seeds, deep in the
+        # first rollout; say so here.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            _fail("seed", self.seed, "expected an integer >= 0")
         # A context may pass the budget by one turn (an answer and an observation) before
         # it is compacted, and the call then adds one more answer.
         h = self.harness
@@ -503,11 +508,33 @@ def _build(path: str, cls: type, values: Any) -> Any:
     prefix = f"{path}." if path else ""
     for key in values:
         if key not in fields:
-            raise ConfigError(
-                f"config.{prefix}{key}: unknown key; known keys: {', '.join(sorted(fields))}"
-            )
+            raise ConfigError(_unknown(cls, path, str(key)))
     kwargs = {k: _coerce(f"{prefix}{k}", v, hints[k]) for k, v in values.items()}
     return cls(**kwargs)
+
+
+def _unknown(cls: type, section: str, name: str) -> str:
+    """The message for a field `name` that section `section` (of dataclass `cls`) lacks."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    full = lambda n: f"{section}.{n}" if section else n
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {full(close[0])!r}?" if close else f"known: {', '.join(sorted(names))}"
+    return f"config: unknown field {full(name)!r}; {hint}"
+
+
+def unknown_field(path: str) -> str | None:
+    """Why a dotted field path ("model.num_layerz") names no config field, in one line
+    with the closest known name; None if it names one."""
+    cls: Any = Config
+    parts = path.split(".")
+    for i, name in enumerate(parts):
+        section = ".".join(parts[:i])
+        if not dataclasses.is_dataclass(cls):
+            return f"config: unknown field {path!r}; {section!r} is a value, not a section"
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            return _unknown(cls, section, name)
+        cls = typing.get_type_hints(cls)[name]
+    return None
 
 
 def from_dict(values: Mapping[str, Any]) -> Config:

@@ -32,6 +32,23 @@ def _one_line(error: Exception) -> str:
     return lines[0] if len(lines) < 2 else f"{lines[0]} {lines[-1]}"
 
 
+def _unknown_override(argv: list[str], error: Exception) -> str:
+    """One line for an override of a key the config lacks. ml_collections raises a
+    KeyError (or an AttributeError around one) whose text is a repr with quotes and a
+    newline in it, so the culprit is found by checking each override's path instead."""
+    from gyrejax.config import unknown_field
+
+    for arg in argv:
+        if arg.startswith("--config."):
+            problem = unknown_field(arg.removeprefix("--config.").split("=", 1)[0])
+            if problem:
+                return problem
+    while error.args and isinstance(error.args[0], Exception):  # ml_collections' own words
+        error = error.args[0]
+    words = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+    return f"config: {' '.join(words.split())}"
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one clear line (no traceback) for a bad flag or override."""
     try:
@@ -39,12 +56,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:  # a bad flag value, or a config file that raises
         sys.exit(f"gyrejax.launch: {_one_line(e)}")
     except (AttributeError, KeyError) as e:  # ml_collections: override of an unknown key
-        key = str(e).strip("'\"")
-        culprit = next(
-            (a for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")),
-            "--config override",
-        )
-        sys.exit(f"gyrejax.launch: {culprit}: unknown config key {key!r}")
+        sys.exit(f"gyrejax.launch: {_unknown_override(argv, e)}")
 
 
 def _quiet_orbax(record) -> bool:
@@ -56,18 +68,20 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     absl_logging.get_absl_handler().addFilter(_quiet_orbax)
-    # Import after flag parsing: nothing may touch JAX's devices before the
-    # CPU-emulated device count is set from the config.
-    import jax
-
+    from gyrejax import preflight
     from gyrejax.config import ConfigError, from_dict
 
-    try:
+    try:  # before JAX is even imported: a bad config costs a second, not a model build
         config = from_dict(_CONFIG.value)
+        preflight.check_inputs(config)
     except ConfigError as e:
         sys.exit(f"gyrejax.launch: {e}")
     except OSError as e:  # ml_collections defers a missing config file to first access
         sys.exit(f"gyrejax.launch: cannot load --config: {_one_line(e)}")
+    # Import after the config: nothing may touch JAX's devices before the CPU-emulated
+    # device count is set from it.
+    import jax
+
     if config.cells.num_cpu_devices:  # per process in a multi-process run
         jax.config.update("jax_num_cpu_devices", config.cells.num_cpu_devices)
     from gyrejax import distributed
@@ -77,6 +91,10 @@ def main(argv: list[str]) -> None:
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
         )
     except ValueError as e:
+        sys.exit(f"gyrejax.launch: {e}")
+    try:  # every process's devices: the cells are split over all of them
+        preflight.check_devices(config, jax.device_count())
+    except ConfigError as e:
         sys.exit(f"gyrejax.launch: {e}")
 
     from gyrejax.model.hf_io import CheckpointError

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from gyrejax import preflight
 from gyrejax.cells import Cell, split_into_cells
 from gyrejax.config import Config, ConfigError
 from gyrejax.harness.sandbox import SandboxUnavailable, choose_sandbox
@@ -63,7 +64,13 @@ def build_model(config: Config, cell: Cell) -> Transformer:
 
 
 def run(config: Config, workdir: str) -> dict:
-    """Runs every stage that exists; returns a summary (also written to `workdir`)."""
+    """Runs every stage that exists; returns a summary (also written to `workdir`).
+
+    Raises:
+      ConfigError: the config does not fit the run's inputs or devices (checked before
+        anything is built or written).
+    """
+    preflight.check(config, len(jax.devices()))
     out = Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
     if not config.train.executions_dir:  # agent code will run: harness.sandbox="bwrap"

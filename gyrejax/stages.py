@@ -26,6 +26,7 @@ from gyrejax.harness.demonstrations import demonstration_executions
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
+from gyrejax.logs import mark
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
@@ -35,6 +36,7 @@ from gyrejax.trajectory import Execution, ExecutionStore
 
 def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: Path) -> Transformer:
     """SFT on demonstrations; returns the model with the trained weights."""
+    mark("warm_start")  # for benchmarks/chaos.py
     env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
     store = ExecutionStore(workdir / "demonstrations")
     if len(store) < config.warmup.demonstrations:
@@ -69,9 +71,13 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
             config.rl, loss="sft", groups_per_step=config.warmup.groups_per_step, j_max=100
         ),
         checkpoint=dataclasses.replace(config.checkpoint, export_hf=False),
+        # SFT on a stored set rolls nothing out: the RL loop's external engines are not
+        # its (and a stored-set config refuses them).
+        rollout=dataclasses.replace(config.rollout, vllm_servers=(), engine_servers=()),
     )
     result = train_on_store(sft, cells, model, workdir / "warmup")
     logging.info("warm start: %d SFT steps (%s)", result.trainer.step, result.summary()["last"])
+    mark("warm_start done")
     return result.trainer.model()
 
 

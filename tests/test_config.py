@@ -6,7 +6,7 @@ import typing
 import pytest
 from conftest import load_config_file
 
-from gyrejax.config import Config, ConfigError, from_dict
+from gyrejax.config import Config, ConfigError, from_dict, unknown_field
 
 
 def test_defaults_and_tiny_config_build():
@@ -31,8 +31,13 @@ def test_values_are_coerced_to_field_types():
         ({"model": {"num_heads": 4, "num_kv_heads": 3}}, r"config\.model\.num_kv_heads=3"),
         ({"model": {"dtype": "float8"}}, r"config\.model\.dtype='float8': expected one of"),
         ({"model": {"attention": "flash"}}, r"config\.model\.attention='flash'"),
-        ({"model": {"hiden_size": 3}}, r"config\.model\.hiden_size: unknown key"),
-        ({"modle": {}}, r"config\.modle: unknown key"),
+        (
+            {"model": {"hiden_size": 3}},
+            r"^config: unknown field 'model\.hiden_size'; did you mean 'model\.hidden_size'\?$",
+        ),
+        ({"modle": {}}, r"^config: unknown field 'modle'; did you mean 'model'\?$"),
+        ({"model": {"zzz": 1}}, r"^config: unknown field 'model\.zzz'; known: attention, "),
+        ({"seed": -5}, r"^config\.seed=-5: expected an integer >= 0$"),
         ({"model": {"num_layers": "two"}}, r"config\.model\.num_layers='two': expected an integer"),
         ({"model": {"qk_norm": 1}}, r"config\.model\.qk_norm=1: expected true or false"),
         ({"cells": {"size": 3, "fsdp": 3, "num_cpu_devices": 8}}, r"must divide the device count"),
@@ -97,3 +102,24 @@ def test_tiny_config_lists_every_field_so_every_field_can_be_overridden():
         if dataclasses.is_dataclass(cls):
             listed, known = set(config[name].keys()), {f.name for f in dataclasses.fields(cls)}
             assert listed == known, (name, known ^ listed)
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("model.num_layers", None),
+        ("scheduler.max_staleness", None),
+        (
+            "model.num_layerz",
+            "config: unknown field 'model.num_layerz'; did you mean 'model.num_layers'?",
+        ),
+        ("modl.num_layers", "config: unknown field 'modl'; did you mean 'model'?"),
+        (
+            "model.num_layers.x",
+            "config: unknown field 'model.num_layers.x'; 'model.num_layers' is a value, "
+            "not a section",
+        ),
+    ],
+)
+def test_unknown_field_paths_are_named_with_the_closest_field(path, message):
+    assert unknown_field(path) == message

@@ -8,10 +8,14 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, load_config_file
+from test_trainer import damage_checkpoint
 
+from gyrejax.cells import split_into_cells
 from gyrejax.config import from_dict
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
+from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.train.trainer import ElasticTrainer
 
 
 def launch(*args, timeout=300, **environment):
@@ -61,7 +65,10 @@ def test_launch_tiny_cpu_smoke(tmp_path):
         ("--config.model.num_layers=-1", "config.model.num_layers=-1: expected a positive integer"),
         ("--config.cells.size=3", "config.cells.size=3: must equal cells.fsdp * cells.tensor"),
         ("--config.rl.loss=nope", "config.rl.loss='nope': expected one of"),
-        ("--config.model.hidden=3", "--config.model.hidden=3: unknown config key 'hidden'"),
+        (
+            "--config.model.hidden=3",
+            "config: unknown field 'model.hidden'; did you mean 'model.hidden_size'?",
+        ),
         ("--config.model.hf_checkpoint=/no/such/dir", "/no/such/dir: not a directory"),
     ],
 )
@@ -86,3 +93,66 @@ def test_bwrap_sandbox_without_bubblewrap_exits_with_one_clear_line(tmp_path):
         "gyrejax.launch: config.harness.sandbox='bwrap': bubblewrap (bwrap) is not on PATH"
     ), last
     assert not (tmp_path / "layout.json").exists()  # refused before anything was built
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--config.seed=-5"], "config.seed=-5: expected an integer >= 0"),
+        (
+            ["--config.scheduler.policy=async", "--config.scheduler.async_training_cells=4"],
+            "config.scheduler.async_training_cells=4: must be below the number of cells, 4 "
+            "(8 devices / cells.size=2): the async policy keeps at least one cell rolling out",
+        ),
+        (
+            ["--config.model.vocab_size=100"],
+            "config.model.vocab_size=100: below the harness tokenizer's vocabulary of 264 "
+            "tokens (its token ids would index past the embedding)",
+        ),
+        (
+            ["--config.train.executions_dir={tmp}/no-store"],
+            "config.train.executions_dir={tmp}/no-store: not a directory",
+        ),
+        (
+            ["--config.model.num_layerz=3"],
+            "config: unknown field 'model.num_layerz'; did you mean 'model.num_layers'?",
+        ),
+    ],
+)
+def test_config_errors_are_one_line_before_anything_is_built(tmp_path, overrides, message):
+    """Each is found before a model is built or the workdir is written (the times are
+    measured, not asserted: see the commit that added this test)."""
+    workdir = tmp_path / "work"
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
+    result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(workdir), *overrides)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"gyrejax.launch: {message.format(tmp=tmp_path)}"
+    assert "model:" not in result.stderr  # run.py logs the model once it is built
+    assert not workdir.exists()
+
+
+def test_unreadable_checkpoints_are_one_clear_line_and_stay_where_they_are(tmp_path):
+    """Both checkpoints an RL run left are damaged: launch says so in one line, and moves
+    nothing (a rerun must not silently start afresh)."""
+    config = from_dict(load_config_file("tiny_cpu", "smoke"))
+    trainer = ElasticTrainer(
+        init_model(config.model), split_into_cells(config.cells)[0], rl=config.rl,
+        train=config.train,
+    )  # fmt: skip
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints", config.checkpoint)
+    for step in (1, 2):
+        trainer.step = trainer.version = step
+        trainer.save(checkpointer, {"trained_groups": [], "next_seq": 0, "burst": 0, "seed": 0})
+    checkpointer.close()
+    damage_checkpoint(tmp_path / "checkpoints" / "2", "data")
+    damage_checkpoint(tmp_path / "checkpoints" / "1", "metadata")
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+    result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"gyrejax.launch: no readable checkpoint under {tmp_path}"), last
+    assert "step 2: " in last and "step 1: " in last
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before

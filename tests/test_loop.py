@@ -1,14 +1,21 @@
-"""`launch` trains on a stored set of executions (SFT, then RL), checkpoints, resumes."""
+"""`launch` trains on a stored set of executions (SFT, then RL), checkpoints, resumes;
+a resume after a kill writes each step once and trains around bad records."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, load_config_file, read_jsonl
+from test_trajectory_store import rewrite_header, set_field
 
+from gyrejax.cells import split_into_cells
+from gyrejax.config import from_dict
 from gyrejax.model.hf_io import load_hf
+from gyrejax.model.transformer import init_model
+from gyrejax.train.loop import train_on_store
 from gyrejax.trajectory import ExecutionStore, generate_executions
 
 
@@ -70,3 +77,51 @@ def test_missing_store_is_one_clear_line(tmp_path):
     assert (
         last == f"gyrejax.launch: config.train.executions_dir={tmp_path / 'nope'}: not a directory"
     )
+
+
+def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_export(tmp_path):
+    """A kill after step 3's metrics row but before its checkpoint (and mid-way through
+    the next row and through step 2's export): the resumed run writes each step once,
+    re-exports step 2, and trains around two bad records, counting them per step."""
+    store = ExecutionStore(tmp_path / "store")
+    executions = generate_executions(
+        3, 2, seed=0, turns=(3, 6), vocab_size=264, system_prompt_tokens=20, task_tokens=(5, 10),
+        tool_output_tokens=(5, 20), model_output_tokens=(5, 20), summary_tokens=(5, 10),
+        compaction_budget=180, max_call_tokens=256,
+    )  # fmt: skip
+    # g1's first execution holds a token beyond the model's vocabulary: a valid record
+    # that the trajectory processor refuses for this config.
+    beyond = executions[2]
+    first, *rest = beyond.calls
+    first = dataclasses.replace(first, output_ids=np.full_like(first.output_ids, 300))
+    executions[2] = dataclasses.replace(beyond, calls=[first, *rest])
+    for ex in executions:
+        store.put(ex)
+    # g0's first execution: a valid checksum over a bad field, skipped by the store.
+    rewrite_header(store.path_for(executions[0].execution_id), set_field("reward", "abc"))
+
+    c = load_config_file("tiny_cpu", "smoke")
+    c.cells.size, c.cells.fsdp = 4, 4  # two cells: fewer compilations
+    c.train.executions_dir = str(tmp_path / "store")
+    c.train.steps, c.checkpoint.every_steps, c.rl.groups_per_step = 2, 1, 2
+    c.rl.loss = "sft"
+    work = tmp_path / "work"
+    config = from_dict(c)
+    cells = split_into_cells(config.cells)
+    train_on_store(config, cells, init_model(config.model), work)
+
+    metrics = work / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "groups": "from the killed run"}\n{"step": 4, "lo')
+    (work / "hf" / "step_2" / "config.json").unlink()
+    c.train.steps = 3
+    config = from_dict(c)
+    train_on_store(config, cells, init_model(config.model), work)
+
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("groups" not in r for r in rows)  # the killed run's step 3 row is gone
+    # Groups cycle g0 g1 | g2 g0 | g1 g2: g0 holds the store's bad record, g1 the refused one.
+    assert [r["bad_records"] for r in rows] == [2, 1, 1]
+    assert load_hf(work / "hf" / "step_2").config.num_layers == 1
+    assert load_hf(work / "hf" / "step_3").config.num_layers == 1

@@ -1,6 +1,7 @@
 """Proxy: records every call; drains, migrations and engine failures are invisible."""
 
 import asyncio
+import contextlib
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import NoEngineError, Proxy
+from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.rollout.types import SamplingParams
 
 CONFIG = ModelConfig(
@@ -204,3 +206,26 @@ def test_weights_published_mid_flight_version_every_token(model):
     assert switch > 0 and (completion.versions[switch:] == 1).all()
     np.testing.assert_array_equal(calls[0].versions, completion.versions)
     assert len(calls[0].versions) == len(calls[0].output_ids) == len(calls[0].logprobs)
+
+
+def test_a_call_its_caller_gives_up_is_cancelled_on_the_engine():
+    """A harness timeout cancels the awaiting call. The engine must drop the request too:
+    the proxy forgets it at once, so a request left running is one a drain never waits
+    for, and the engine's release_memory then finds it still there."""
+
+    async def body():
+        engine = ScriptedEngine("e", lambda prompt, request: [1, 2, 3], delay_s=60)
+        proxy = Proxy([engine, ScriptedEngine("f", lambda prompt, request: [1])])
+        proxy.dispatch("x")
+        proxy.set_accepting("f", False)  # the call goes to e
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await proxy.generate("x", "main", "main", PROMPT, SamplingParams(max_new_tokens=3))
+        proxy.cancel_execution("x")  # what the harness does after its timeout
+        held = engine.request_ids()
+        proxy.set_accepting("f", True)
+        await proxy.drain("e")
+        await engine.release_memory()  # refuses while a request is in flight
+        return held
+
+    assert asyncio.run(body()) == []

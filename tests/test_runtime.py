@@ -1,7 +1,9 @@
-"""The RL runtime: every policy completes its steps; kill-and-resume loses nothing and
-trains nothing twice (through the real launch path)."""
+"""The RL runtime: every policy completes its steps; kill-and-resume loses nothing, trains
+nothing twice and repairs its logs (through the real launch path); a bad stored record is
+skipped, counted and run again."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import ENGINE_TOKEN, REPO_ROOT, load_config_file, read_jsonl, start_engine_server
 from flax import nnx
+from test_trajectory_store import rewrite_header, set_field
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
@@ -23,7 +26,7 @@ from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.runtime import PublishedWeights, Runtime
-from gyrejax.trajectory import ExecutionStore
+from gyrejax.trajectory import ExecutionStore, generate_executions
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async"])
@@ -77,6 +80,15 @@ def test_kill_and_resume_through_launch(tmp_path):
     before = {e.execution_id for e in ExecutionStore(tmp_path / "executions")}
     steps_before = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(steps_before) >= 2
+    # What a kill mid-write leaves: a torn last line in each log, and a metrics row of a
+    # step trained after the newest checkpoint (its update died with the process).
+    newest = max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": newest + 1, "groups": ["lost-with-the-kill"]}) + "\n")
+        f.write('{"step": 9, "lo')
+    for name in ("dispatch.jsonl", "transitions.jsonl"):
+        with open(tmp_path / name, "a") as f:
+            f.write('{"group": "g9", "se')
 
     second = launch(tmp_path, steps=4)
     _, stderr = second.communicate(timeout=600)
@@ -85,19 +97,55 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert resumed, stderr[-3000:]
     after = {e.execution_id for e in ExecutionStore(tmp_path / "executions")}
     assert before <= after  # nothing finished is lost
-    steps = read_jsonl(tmp_path / "metrics.jsonl")
     # The kill can land after checkpoint 3 too: the run resumes from its newest checkpoint.
     resumed_at = int(resumed.group(1))
-    assert 2 <= resumed_at <= max(s["step"] for s in steps_before)
-    # The final history: steps up to the resumed checkpoint from the first run, the rest from
-    # the second. No group is trained twice in it.
-    history = [s for s in steps_before if s["step"] <= resumed_at]
-    history += [s for s in steps[len(steps_before) :]]
-    assert [s["step"] for s in history] == [1, 2, 3, 4]
-    trained = [g for s in history for g in s["groups"]]
-    assert len(trained) == len(set(trained))
+    assert resumed_at == newest and 2 <= resumed_at <= max(s["step"] for s in steps_before)
+    # Every line of every log reads (conftest's read_jsonl is strict), and metrics.jsonl is
+    # the history: each step once, the first run's up to the checkpoint, then the
+    # second's. No group is trained twice in it.
+    steps = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert steps[:resumed_at] == [s for s in steps_before if s["step"] <= resumed_at]
+    trained = [g for s in steps for g in s["groups"]]
+    assert len(trained) == len(set(trained)) and "lost-with-the-kill" not in trained
+    dispatched = [d["group"] for d in read_jsonl(tmp_path / "dispatch.jsonl")]
+    assert len(dispatched) == len(set(dispatched)) and set(trained) <= set(dispatched)
+    assert read_jsonl(tmp_path / "transitions.jsonl")
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path):
+    """A killed run had dispatched g0 and stored both its executions; one record has since
+    gone bad (a valid checksum over a bad field). The resumed run skips it (named,
+    counted in the step's metrics), runs that execution again and trains the group."""
+    c = two_cells_async(steps=1)
+    config = from_dict(c)
+    synthetic = generate_executions(
+        1, 2, seed=0, turns=(2, 3), vocab_size=264, system_prompt_tokens=20,
+        task_tokens=(5, 10), tool_output_tokens=(5, 20), model_output_tokens=(5, 20),
+        summary_tokens=(5, 10), compaction_budget=180, max_call_tokens=256,
+    )  # fmt: skip
+    store = ExecutionStore(tmp_path / "executions")
+    for i, ex in enumerate(synthetic):
+        ex_id = f"g0/{i}"
+        calls = [dataclasses.replace(call, execution_id=ex_id) for call in ex.calls]
+        store.put(dataclasses.replace(ex, execution_id=ex_id, group_id="g0", calls=calls))
+    (tmp_path / "dispatch.jsonl").write_text(
+        json.dumps({"group": "g0", "seq": 0, "task": "t", "version": 0, "time": 0.0}) + "\n"
+    )
+    bad = store.path_for("g0/1")
+    rewrite_header(bad, set_field("reward", "abc"))
+
+    summary = Runtime(
+        config, split_into_cells(config.cells), init_model(config.model), tmp_path
+    ).run()
+    assert summary["steps"] == 1
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["groups"] == ["g0"] and row["bad_records"] == 1
+    rerun = ExecutionStore(tmp_path / "executions").get("g0/1")  # run again, stored anew
+    assert rerun.group_id == "g0" and rerun.calls
+    assert ExecutionStore(tmp_path / "executions").get("g0/0") == store.get("g0/0")
 
 
 def test_unreachable_external_engine_is_one_clear_error(tmp_path):

@@ -52,3 +52,16 @@ def test_warm_start_then_a_rollout_batch_stored(tmp_path):
         assert execution.calls and all(c.engines for c in execution.calls)
         assert {c.engines[0] for c in execution.calls} <= {"cell0", "cell1", "cell2", "cell3"}
     assert json.loads((tmp_path / "rollout_summary.json").read_text()) == summary
+
+
+def test_a_warm_start_before_rl_with_external_engines(tmp_path):
+    """The RL loop's external engines are no concern of the warm start's SFT (which used
+    to refuse them as a stored-set run, so no such run could start)."""
+    c = load_config_file("tiny_cpu", "smoke")
+    c.cells.size, c.cells.fsdp = 4, 4
+    c.warmup.steps, c.warmup.demonstrations, c.warmup.groups_per_step = 1, 8, 8
+    c.rollout.engine_servers = ("http://127.0.0.1:1",)  # never reached by the warm start
+    config = from_dict(c)
+    warm_start(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
+    steps = [json.loads(line) for line in (tmp_path / "warmup" / "metrics.jsonl").open()]
+    assert [s["step"] for s in steps] == [1]

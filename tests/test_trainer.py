@@ -1,8 +1,10 @@
 """Elastic trainer: joins mid-step change nothing, rejoins never recompile, non-finite
-steps are skipped, checkpoints restore onto other layouts and resume exactly."""
+steps are skipped, checkpoints restore onto other layouts and resume exactly, and a
+corrupt checkpoint falls back to the newest readable one."""
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from conftest import REPO_ROOT
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import CellsConfig, CheckpointConfig, ModelConfig, RLConfig, TrainConfig
+from gyrejax.model.hf_io import CheckpointError
 from gyrejax.model.transformer import init_model
 from gyrejax.train.checkpoint import TrainCheckpointer, restore_weights, save_weights
 from gyrejax.train.trainer import ElasticTrainer
@@ -268,3 +271,90 @@ def test_weights_snapshot_restores_in_another_process_with_its_own_sharding(tmp_
     # And in this process, onto another mesh: identical values.
     again = restore_weights(tmp_path / "snapshot", jax.tree.map(np.asarray, weights))
     jax.tree.map(np.testing.assert_array_equal, again, jax.tree.map(np.asarray, weights))
+
+
+def damage_checkpoint(step_dir, damage):
+    """What a disk or a kill outside Orbax's atomic rename can leave: the largest array
+    data file cut in half, or the metadata JSON cut short."""
+    if damage == "data":
+        files = [p for p in (step_dir / "params").rglob("*") if p.is_file() and "/d/" in str(p)]
+        victim = max(files, key=lambda p: p.stat().st_size)
+    else:
+        victim = step_dir / "metadata" / "metadata"
+    os.truncate(victim, victim.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage", ["data", "metadata"])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_readable_one(
+    tmp_path, caplog, damage
+):
+    batches = [make_batch(s) for s in (4, 5, 6, 7)]
+    core = cells()[0]
+    config = CheckpointConfig(every_steps=1, keep=3)
+    first = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
+    checkpointer = TrainCheckpointer(tmp_path / "ck", config)
+    saved = {}
+    for b in batches[:3]:
+        first.train_step(b)
+        first.save(checkpointer, {"data_position": first.step})
+        saved[first.step] = params_np(first)
+    checkpointer.close()
+    damage_checkpoint(tmp_path / "ck" / "3", damage)
+
+    resumed = ElasticTrainer(init_model(MODEL, seed=5), core, rl=RLConfig(), train=TRAIN)
+    checkpointer = TrainCheckpointer(tmp_path / "ck", config)
+    with caplog.at_level(logging.WARNING):
+        meta = resumed.restore(checkpointer)
+    assert resumed.step == 2 and meta["data_position"] == 2
+    jax.tree.map(np.testing.assert_array_equal, params_np(resumed), saved[2])
+    # Named in a warning and moved aside, never deleted; Orbax lists it no more.
+    (aside,) = [p for p in (tmp_path / "ck").iterdir() if p.name.startswith("3.corrupt-")]
+    assert any(f"{tmp_path / 'ck' / '3'} is unreadable" in r.getMessage() for r in caplog.records)
+    assert aside.name in caplog.text and any(aside.rglob("*"))
+    assert checkpointer.all_steps() == [1, 2]
+    # Training goes on: step 3 is trained again and saved, and is the newest from then on.
+    resumed.train_step(batches[2])
+    resumed.save(checkpointer, {"data_position": 3})
+    checkpointer.close()
+    again = ElasticTrainer(init_model(MODEL, seed=6), core, rl=RLConfig(), train=TRAIN)
+    checkpointer = TrainCheckpointer(tmp_path / "ck", config)
+    assert again.restore(checkpointer)["data_position"] == 3 and again.step == 3
+    assert checkpointer.all_steps() == [1, 2, 3] and aside.exists()
+
+
+def test_no_readable_checkpoint_is_one_clear_error_and_nothing_is_moved(tmp_path):
+    core = cells()[0]
+    config = CheckpointConfig(every_steps=1, keep=3)
+    trainer = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
+    checkpointer = TrainCheckpointer(tmp_path / "ck", config)
+    for b in [make_batch(4), make_batch(5)]:
+        trainer.train_step(b)
+        trainer.save(checkpointer)
+    checkpointer.close()
+    damage_checkpoint(tmp_path / "ck" / "2", "data")
+    damage_checkpoint(tmp_path / "ck" / "1", "metadata")
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+
+    fresh = ElasticTrainer(init_model(MODEL, seed=5), core, rl=RLConfig(), train=TRAIN)
+    with pytest.raises(CheckpointError) as error:
+        fresh.restore(TrainCheckpointer(tmp_path / "ck", config))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"no readable checkpoint under {tmp_path}")
+    assert "step 2: Exception: " in message and "step 1: JSONDecodeError" in message
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    with pytest.raises(CheckpointError, match=r"checkpoint .*/ck/2: unreadable"):
+        fresh.restore(TrainCheckpointer(tmp_path / "ck", config), step=2)
+
+
+def test_a_missing_or_damaged_weights_snapshot_is_one_clear_error(tmp_path):
+    weights = {"w": jax.numpy.arange(4096, dtype=np.float32).reshape(64, 64)}
+    target = {"w": jax.ShapeDtypeStruct((64, 64), np.float32)}
+    with pytest.raises(CheckpointError, match=f"weights snapshot {tmp_path / 'none'}: unreadable"):
+        restore_weights(tmp_path / "none", target)
+    path = save_weights(tmp_path / "snapshot", weights)
+    data = [p for p in path.rglob("*") if p.is_file() and "/d/" in str(p)]
+    victim = max(data, key=lambda p: p.stat().st_size)
+    os.truncate(victim, victim.stat().st_size // 2)
+    with pytest.raises(CheckpointError) as error:
+        restore_weights(path, target)
+    assert "\n" not in str(error.value) and str(error.value).startswith(f"weights snapshot {path}")

@@ -1,18 +1,26 @@
-"""ExecutionStore: round trips, corruption detection, and crash safety under SIGKILL."""
+"""ExecutionStore: round trips, corruption detection, crash safety under SIGKILL, and
+validation of every field on put and on read."""
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gyrejax.trajectory import Execution, ExecutionStore, ModelCall, generate_executions
-from gyrejax.trajectory.store import CorruptRecordError
+from gyrejax.trajectory.records import validate_record
+from gyrejax.trajectory.store import MAGIC, CorruptRecordError
 
 
 def small(seed=0, groups=2, size=3):
@@ -194,3 +202,203 @@ def test_group_lookup_sees_other_writers_and_skips_corrupt_records(tmp_path, cap
         e.execution_id for e in exs[3:] if e is not exs[4]
     )
     assert str(victim) in caplog.text
+
+
+# --- validation: on put, and on read of records whose checksum is valid ------------------
+
+
+def tampered(obj, **fields):
+    """A copy of a frozen record with `fields` set as given, past its constructor's
+    coercion (what other code could hand to `put`)."""
+    copy = dataclasses.replace(obj)
+    for name, value in fields.items():
+        object.__setattr__(copy, name, value)
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("fields", "call_fields", "message"),
+    [
+        ({"reward": "abc"}, {}, "reward='abc'"),
+        ({"reward": float("nan")}, {}, "reward=nan"),
+        ({"reward": float("inf")}, {}, "reward=inf"),
+        ({"status": "weird"}, {}, "status='weird'"),
+        ({"group_id": 5}, {}, "group_id=5"),
+        ({"task_id": None}, {}, "task_id=None"),
+        ({"eval_attempts": -1}, {}, "eval_attempts=-1"),
+        ({}, {"call_id": "x"}, "call_id='x'"),
+        ({}, {"agent_id": 3}, "agent_id=3"),
+        ({}, {"engines": "cell0"}, "engines='cell0'"),
+        ({}, {"started_at": float("nan")}, "started_at=nan"),
+        ({}, {"role": "nope"}, "unknown role 'nope'"),
+    ],
+)
+def test_put_refuses_a_bad_field_naming_it_and_its_value(tmp_path, fields, call_fields, message):
+    ex = small(groups=1, size=1)[0]
+    if call_fields:
+        ex = tampered(ex, calls=(tampered(ex.calls[0], **call_fields), *ex.calls[1:]))
+    ex = tampered(ex, **fields)
+    store = ExecutionStore(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        store.put(ex)
+    assert not list(tmp_path.iterdir())  # nothing written, not even a temp file
+
+
+def test_put_refuses_a_non_string_execution_id(tmp_path):
+    ex = tampered(small(groups=1, size=1)[0], execution_id=12)
+    with pytest.raises(ValueError, match="execution_id=12"):
+        ExecutionStore(tmp_path).put(ex)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"reward": "abc"}, "reward='abc'"), ({"eval_attempts": "3"}, "eval_attempts='3'")],
+)
+def test_records_refuse_strings_for_numbers(kwargs, message):
+    ex = small(groups=1, size=1)[0]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(ex, **kwargs)
+    with pytest.raises(ValueError, match=re.escape("call_id='x'")):
+        dataclasses.replace(ex.calls[0], call_id="x")
+
+
+def rewrite_header(path, mutate):
+    """Rewrites a record file with `mutate(header)` applied and a valid checksum: a record
+    that passes the integrity check but holds whatever `mutate` put there."""
+    data = path.read_bytes()
+    (header_len,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    header = json.loads(data[start : start + header_len])
+    mutate(header)
+    new_header = json.dumps(header).encode()
+    body = MAGIC + struct.pack("<Q", len(new_header)) + new_header
+    body += data[start + header_len : -32]
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+def set_field(path, value):
+    """mutate(header) setting the field at `path` ("reward", "calls.0.call_id")."""
+
+    def mutate(header):
+        *parents, last = path.split(".")
+        node = header
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return mutate
+
+
+def delete_field(path):
+    def mutate(header):
+        *parents, last = path.split(".")
+        node = header
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        del node[last]
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (set_field("reward", "abc"), "reward='abc'"),
+        (set_field("reward", float("nan")), "reward=nan"),
+        (set_field("execution_id", 12), "execution_id=12"),
+        (set_field("group_id", 5), "group_id=5"),
+        (set_field("status", "weird"), "status='weird'"),
+        (set_field("eval_attempts", True), "eval_attempts=True"),
+        (set_field("calls.0.call_id", "x"), "call_id='x'"),
+        (set_field("calls.0.role", "nope"), "unknown role 'nope'"),
+        (set_field("calls.0.engines", "cell0"), "engines='cell0'"),
+        (set_field("calls.0.started_at", "yesterday"), "started_at='yesterday'"),
+        (set_field("calls.0.prompt_len", 1.5), "prompt_len=1.5"),
+        (set_field("calls", {"a": 1}), "calls={'a': 1}"),
+        (delete_field("calls.0.agent_id"), "agent_id=None"),
+    ],
+)
+def test_a_record_with_bad_fields_is_skipped_named_and_counted(tmp_path, caplog, mutate, message):
+    exs = small(groups=2, size=3)
+    store = ExecutionStore(tmp_path)
+    for ex in exs:
+        store.put(ex)
+    victim = exs[1]
+    path = store.path_for(victim.execution_id)
+    rewrite_header(path, mutate)
+    others = sorted(e.execution_id for e in exs if e is not victim)
+
+    reader = ExecutionStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="gyrejax.trajectory.store"):
+        assert sorted(e.execution_id for e in reader) == others
+        assert reader.group_ids() == sorted({e.group_id for e in exs})
+        skipped = []
+        groups = reader.groups(sorted({e.group_id for e in exs}), skipped=skipped)
+        list(reader)  # met again: counted once, warned once
+    got = sorted(e.execution_id for members in groups.values() for e in members)
+    assert got == others
+    if message != "group_id=5":  # a group id that is not a string leaves no group to ask for
+        assert len(skipped) == 1 and str(path) in skipped[0] and message in skipped[0]
+    assert list(reader.bad_records) == [str(path)]
+    assert message in reader.bad_records[str(path)]
+    warnings = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert len(warnings) == 1 and message in warnings[0], warnings
+    with pytest.raises(CorruptRecordError, match=re.escape(message)):
+        reader.get(victim.execution_id)
+
+
+SCALARS = (
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=5)
+    | st.floats(allow_nan=True, allow_infinity=True)
+)  # fmt: skip
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=5,
+)
+HEADER_FIELDS = ["execution_id", "task_id", "group_id", "status", "reward", "eval_attempts",
+                 "calls", "format"]  # fmt: skip
+CALL_FIELDS = ["call_id", "agent_id", "role", "finish_reason", "engines", "started_at",
+               "finished_at", "prompt_len", "output_len", "ref", "shared"]  # fmt: skip
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    field=st.sampled_from(HEADER_FIELDS + [f"calls.{{}}.{f}" for f in CALL_FIELDS]),
+    call=st.integers(0, 100),
+    value=JSON_VALUES,
+    delete=st.booleans(),
+)
+def test_no_header_field_value_crashes_a_reader(tmp_path_factory, field, call, value, delete):
+    """Whatever one header field holds (under a valid checksum), reading the store never
+    raises: the record is either valid or skipped and counted, and the others are read."""
+    root = tmp_path_factory.mktemp("store")
+    exs = small(groups=2, size=2)
+    store = ExecutionStore(root)
+    for ex in exs:
+        store.put(ex)
+    victim = exs[0]
+    path = store.path_for(victim.execution_id)
+    field = field.format(call % len(victim.calls)) if "{}" in field else field
+    rewrite_header(path, delete_field(field) if delete else set_field(field, value))
+
+    reader = ExecutionStore(root)
+    loaded = {e.execution_id: e for e in reader}
+    ids = reader.group_ids()
+    skipped = []
+    grouped = reader.groups(ids, skipped=skipped)
+    for ex in exs[1:]:
+        assert ex.execution_id in loaded
+    for ex in loaded.values():
+        validate_record(ex)  # nothing invalid is ever handed out
+    if victim.execution_id in loaded:
+        assert not reader.bad_records
+    else:
+        assert list(reader.bad_records) == [str(path)]
+    assert all(isinstance(g, str) for g in ids)
+    assert sum(len(v) for v in grouped.values()) + len(skipped) <= len(exs)

@@ -28,6 +28,7 @@ from gyrejax.config import Config, ConfigError
 from gyrejax.distributed import rl
 from gyrejax.distributed.runtime import Decisions, local_cells, owner
 from gyrejax.distributed.training import DistributedTrainer
+from gyrejax.logs import prepare_for_append, up_to_step
 from gyrejax.model.transformer import Transformer
 from gyrejax.train.checkpoint import TrainCheckpointer, save_weights
 
@@ -142,15 +143,17 @@ def _train_on_store(config: Config, workdir: Path, cells: list, model: Transform
             logging.info(
                 "resumed from checkpoint step %d (data position %d)", meta["step"], position
             )
+        # Steps past the checkpoint run again: their rows (and a torn last line) go.
+        prepare_for_append(workdir / "metrics.jsonl", keep=up_to_step(trainer.trainer.step))
         with open(workdir / "metrics.jsonl", "a") as metrics_file:
             while trainer.trainer.step < config.train.steps:
-                batch = batch_at(config, store, group_ids, position, trainer.trainer.step)
+                batch, bad = batch_at(config, store, group_ids, position, trainer.trainer.step)
                 position += config.rl.groups_per_step
                 if batch.num_micro_steps == 0:
                     logging.warning("step %d: no trainable tokens", trainer.trainer.step)
                     continue
                 report = trainer.train_step(batch)
-                last = _metrics_record(report, batch, position, config.rl.loss)
+                last = _metrics_record(report, batch, position, config.rl.loss, len(bad))
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 logging.info(

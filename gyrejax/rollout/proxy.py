@@ -265,6 +265,13 @@ class Proxy:
             except RequestMigrated as migrated:
                 live = migrated.live
                 self._migrations += 1
+            except asyncio.CancelledError:
+                # The caller gave up (an execution's timeout). The engine must stop the
+                # request too: the `finally` below forgets it, so left running it would
+                # hold a slot nobody counts, and a drain would return while the engine
+                # still decodes it (its release_memory then refuses).
+                engine.cancel(request.request_id)
+                raise
             except EngineError as error:
                 attempts += 1
                 self._retries += 1

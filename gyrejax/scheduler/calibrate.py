@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyrejax.logs import read_jsonl
 from gyrejax.scheduler.simulator import SimConfig, SimResult, simulate
 
 IQR_PER_SIGMA = 1.3489795  # the interquartile range of a standard normal
@@ -70,19 +71,6 @@ class Fit:
             "startup_s": self.startup_s,
             "shutdown_s": self.shutdown_s,
         }
-
-
-def _jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL log; a torn last line (a killed run) is left out."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def read_run(workdir: Path) -> dict:
@@ -148,8 +136,8 @@ def fit_run(workdir: Path) -> Fit:
     workdir = Path(workdir)
     run = read_run(workdir)
     schedule = run["schedule"]
-    executions = _jsonl(workdir / "executions.jsonl")
-    steps = [s for s in _jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
+    executions = read_jsonl(workdir / "executions.jsonl")
+    steps = [s for s in read_jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
     if not executions or not steps:
         raise ValueError(f"{workdir}: no executions.jsonl or metrics.jsonl to fit")
     durations = np.array([e["finished_s"] - e["started_s"] for e in executions])
@@ -157,12 +145,12 @@ def fit_run(workdir: Path) -> Fit:
     per_token, overhead, parallel, residual = _fit_steps(steps)
     per_execution = schedule["group_size"] * schedule["groups_per_step"]
     tokens_mean = float(np.mean([s["tokens"] for s in steps])) / per_execution
-    switches = _jsonl(workdir / "transitions.jsonl")
+    switches = read_jsonl(workdir / "transitions.jsonl")
     to_training = [t["total_s"] for t in switches if t["kind"] == "to_training"]
     to_rollout = [
         t["total_s"] - t.get("wait_boundary_s", 0.0) for t in switches if t["kind"] == "to_rollout"
     ]
-    dispatched = _jsonl(workdir / "dispatch.jsonl")
+    dispatched = read_jsonl(workdir / "dispatch.jsonl")
     startup = min((d["time"] for d in dispatched), default=0.0)
     shutdown = max(0.0, run["wall_s"] - max(s["time_s"] for s in steps))
     sim = _schedule_config(schedule).replace(

@@ -51,6 +51,7 @@ from gyrejax.harness.agent import Harness
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
+from gyrejax.logs import append_jsonl, mark, prepare_for_append, read_jsonl, up_to_step
 from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
@@ -148,6 +149,7 @@ class Runtime:
         self.groups: dict[str, _Group] = {}
         self.ready: collections.deque[str] = collections.deque()
         self.trained_groups: list[str] = []
+        self.bad_records = 0  # stored records skipped since the last metrics row
         self.next_seq = 0
         self.burst = 0
         self.steps_in_burst = 0
@@ -341,9 +343,9 @@ class Runtime:
         seq = self.next_seq
         self.next_seq += 1
         group = self._make_group(seq, self.rollout_version)
-        with open(self.workdir / "dispatch.jsonl", "a") as f:
-            f.write(json.dumps({"group": group.group_id, "seq": seq, "task": group.task.task_id,
-                                "version": group.version, "time": self._now()}) + "\n")  # fmt: skip
+        append_jsonl(self.workdir / "dispatch.jsonl", {
+            "group": group.group_id, "seq": seq, "task": group.task.task_id,
+            "version": group.version, "time": self._now()})  # fmt: skip
         self._spawn(self._run_group(group, range(self.config.rl.group_size)))
 
     def _make_group(self, seq: int, version: int) -> _Group:
@@ -364,8 +366,7 @@ class Runtime:
             group.executions[execution_id] = execution
             record = {"execution": execution_id, "group": group.group_id, "started_s": started}
             record.update(finished_s=self._now(), status=execution.status)
-            with open(self.workdir / "executions.jsonl", "a") as f:  # for calibration
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(self.workdir / "executions.jsonl", record)  # for calibration
             self._notify()
 
         await asyncio.gather(*(one(i) for i in members))
@@ -423,6 +424,7 @@ class Runtime:
                 logging.warning("groups %s have nothing to train; skipped", group_ids)
                 self.trained_groups += group_ids
                 return
+            mark("step")  # for benchmarks/chaos.py; "step done" comes with its metrics row
             report = await loop.run_in_executor(None, self.trainer.train_step, batch)
             self.trained_groups += group_ids
             self.steps_in_burst += 1
@@ -438,6 +440,7 @@ class Runtime:
     async def _publish(self) -> None:
         """Ends a burst: the rollout engines get the newest weights. An external engine
         that fails its update is dropped like one that crashed; the run goes on."""
+        mark("publish")  # for benchmarks/chaos.py, like "transition" below
         start = time.perf_counter()
         version = self.trainer.version
         live = [
@@ -491,10 +494,12 @@ class Runtime:
             "leaves": [dataclasses.asdict(r) for r in report.released],
             "cell_s": {k: v - self._cell_time_at_step[k] for k, v in self.cell_time.items()},
             "over_stale": self.over_stale,
+            "bad_records": self.bad_records,
         }
         self._cell_time_at_step = dict(self.cell_time)
-        with open(self.workdir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.bad_records = 0
+        append_jsonl(self.workdir / "metrics.jsonl", record)
+        mark("step done")
         logging.info(
             "step %d: reward %.3f loss %.4f tokens %d staleness %.1f cells %s roles %s (%.1f s)",
             report.step, record["reward"] or 0.0, report.metrics.get("loss", float("nan")),
@@ -520,6 +525,7 @@ class Runtime:
     async def _transition_worker(self) -> None:
         while True:
             index, role, burst = await self._transitions.get()
+            mark("transition")  # for benchmarks/chaos.py; "... done" with its log record
             start = time.perf_counter()
             cell = self.cells[index]
             self.timeline.append((self._now(), index, "switching"))
@@ -573,8 +579,8 @@ class Runtime:
     ) -> None:
         burst = self.burst if burst is None else burst
         record = {"time_s": self._now(), "cell": index, "kind": kind, "burst": burst, **phases}
-        with open(self.workdir / "transitions.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(self.workdir / "transitions.jsonl", record)
+        mark("publish done" if kind == "publish" else "transition done")
         logging.info("transition %s cell %s: %s", kind, index, phases)
 
     # --- monitoring, checkpoints, resume -----------------------------------------------------
@@ -640,29 +646,40 @@ class Runtime:
         )  # fmt: skip
 
     def _restore(self) -> None:
-        if self.checkpointer.latest_step() is None:
-            return
-        meta = self.trainer.restore(self.checkpointer)
-        self.trained_groups = list(meta["trained_groups"])
-        self.burst = int(meta["burst"])
-        self.rollout_version = self.trainer.version
-        logging.info("resumed from step %d (%d groups trained)", self.trainer.step,
-                     len(self.trained_groups))  # fmt: skip
+        """Resumes from the newest readable checkpoint, if any, and readies the logs for
+        appending: a torn last line (a kill mid-write) is cut away, and metric rows of
+        steps past the checkpoint are dropped, since those steps are trained again."""
+        if self.checkpointer.latest_step() is not None:
+            meta = self.trainer.restore(self.checkpointer)
+            self.trained_groups = list(meta["trained_groups"])
+            self.burst = int(meta["burst"])
+            self.rollout_version = self.trainer.version
+            logging.info("resumed from step %d (%d groups trained)", self.trainer.step,
+                         len(self.trained_groups))  # fmt: skip
+        prepare_for_append(self.workdir / "metrics.jsonl", keep=up_to_step(self.trainer.step))
+        prepare_for_append(self.workdir / "transitions.jsonl")
+        prepare_for_append(self.workdir / "executions.jsonl")
 
     def _resume_unfinished_groups(self) -> None:
         """Groups dispatched before a restart: finished ones are ready again (unless
         trained before the checkpoint), missing executions run again."""
-        log = self.workdir / "dispatch.jsonl"
-        if not log.exists():
-            return
         trained = set(self.trained_groups)
-        entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        self.next_seq = max((e["seq"] for e in entries), default=-1) + 1
+        # A torn last entry is cut away: its group had not started (the entry is
+        # written before the group runs), so its seq is simply dispatched again.
+        entries = [
+            e for e in prepare_for_append(self.workdir / "dispatch.jsonl")
+            if isinstance(e.get("group"), str) and isinstance(e.get("seq"), int)
+            and isinstance(e.get("version"), int)
+        ]  # fmt: skip
+        if not entries:
+            return
+        self.next_seq = max(e["seq"] for e in entries) + 1
+        skipped: list[str] = []  # bad stored records: skipped (named), counted, re-run
         for entry in entries:
             if entry["group"] in trained:
                 continue
             group = self._make_group(entry["seq"], entry["version"])
-            for execution in self.store.group(group.group_id):
+            for execution in self.store.groups([group.group_id], skipped=skipped)[group.group_id]:
                 group.executions[execution.execution_id] = execution
             missing = [i for i in range(self.config.rl.group_size)
                        if f"{group.group_id}/{i}" not in group.executions]  # fmt: skip
@@ -671,8 +688,10 @@ class Runtime:
             else:
                 group.done = True
                 self.ready.append(group.group_id)
-        logging.info("resume: %d groups ready, %d re-running", len(self.ready),
-                     sum(not g.done for g in self.groups.values()))  # fmt: skip
+        self.bad_records += len(skipped)
+        logging.info("resume: %d groups ready, %d re-running, %d bad records skipped",
+                     len(self.ready), sum(not g.done for g in self.groups.values()),
+                     len(skipped))  # fmt: skip
 
     async def _shutdown(self) -> None:
         for group in self.groups.values():
@@ -689,8 +708,8 @@ class Runtime:
         self.checkpointer.close()
 
     def _finish(self) -> dict:
-        records = _read_jsonl(self.workdir / "metrics.jsonl")
-        transitions = _read_jsonl(self.workdir / "transitions.jsonl")
+        records = read_jsonl(self.workdir / "metrics.jsonl")
+        transitions = read_jsonl(self.workdir / "transitions.jsonl")
         plots.write_all(self.workdir, records, self.timeline, len(self.cells), self._now())
         rewards = [r["reward"] for r in records if r.get("reward") is not None]
         k = max(1, len(rewards) // 4)
@@ -735,9 +754,3 @@ def _schedule_fields(config: Config, cells: int) -> dict:
         "async_training_cells": sched.async_training_cells,
         "timeout_s": config.harness.timeout_s,
     }
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -9,6 +9,15 @@ Restoring takes *targets*: arrays (or `jax.ShapeDtypeStruct`s with shardings) la
 the restored values should be, so a checkpoint saved with one cell size or mesh restores
 onto another (2 -> 4 -> 1 devices per cell) with identical values.
 
+Checkpoints are read defensively (DESIGN.md, "Trust boundaries"): a checkpoint damaged
+on disk (array data cut short, metadata JSON cut short, a file gone) does not restore,
+so the newest *readable* one is used. Each unreadable newer one is named in a warning
+and moved aside to `<step>.corrupt-<time>` in the same directory: kept for inspection,
+never deleted, and no longer a step Orbax lists (a later save of that step is then a
+fresh one). When no checkpoint is readable nothing is moved, and one `CheckpointError`
+line names them all. Every failure to create, save or restore a checkpoint is a
+`CheckpointError`, which launch prints as one line.
+
 A weights-only snapshot (`save_weights` / `restore_weights`) is what a satellite in
 another process restores with its own sharding (DESIGN.md: "restoring sharded params
 from the core cell via Orbax").
@@ -23,13 +32,28 @@ serialises only fully addressable global arrays in a multi-process job).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 from gyrejax.config import CheckpointConfig
+from gyrejax.logs import mark
+from gyrejax.model.hf_io import CheckpointError
+
+# Suffix of a checkpoint moved aside: `<step>.corrupt-<time>` is no step name to Orbax.
+CORRUPT_MARK = ".corrupt-"
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """One line of an error for a message: Orbax and TensorStore errors run to pages."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0].split(" See full TensorStore details")[0] if lines else ""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def abstract_like(tree, shardings) -> Any:
@@ -69,17 +93,20 @@ class TrainCheckpointer:
     def __init__(self, directory: str | os.PathLike, config: CheckpointConfig):
         self.directory = Path(directory).absolute()
         self.config = config
-        # Orbax cannot create the directory when only some processes take part.
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=config.keep,
-                create=False,
-                enable_async_checkpointing=False,
-                **_this_process_only("checkpoint"),
-            ),
-        )
+        try:
+            # Orbax cannot create the directory when only some processes take part.
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=config.keep,
+                    create=False,
+                    enable_async_checkpointing=False,
+                    **_this_process_only("checkpoint"),
+                ),
+            )
+        except OSError as e:
+            raise CheckpointError(f"checkpoints {self.directory}: {_first_line(e)}") from e
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -87,32 +114,35 @@ class TrainCheckpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def step_path(self, step: int) -> Path:
+        """The directory of checkpoint `step` (Orbax's default step naming)."""
+        return self.directory / str(step)
+
     def save(self, step: int, params, opt_state, metadata: dict) -> None:
-        """Writes checkpoint `step` (blocking until it is complete on disk)."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(_savable(params)),
-                opt_state=ocp.args.StandardSave(_savable(opt_state)),
-                metadata=ocp.args.JsonSave(metadata),
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
-
-    def restore(self, params_target, opt_state_target, step: int | None = None):
-        """Restores (params, opt_state, metadata) laid out like the targets.
-
-        Args:
-          params_target, opt_state_target: arrays or ShapeDtypeStructs with shardings.
-          step: default the latest.
+        """Writes checkpoint `step` (blocking until it is complete on disk).
 
         Raises:
-          FileNotFoundError: there is no checkpoint.
+          CheckpointError naming the step directory (disk full, permissions, ...).
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        mark("checkpoint")  # for benchmarks/chaos.py
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(_savable(params)),
+                    opt_state=ocp.args.StandardSave(_savable(opt_state)),
+                    metadata=ocp.args.JsonSave(metadata),
+                ),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+            raise CheckpointError(
+                f"checkpoint {self.step_path(step)}: cannot save: {_first_line(e)}"
+            ) from e
+        mark("checkpoint done")
+
+    def _restore_step(self, step: int, params_target, opt_state_target):
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -121,22 +151,96 @@ class TrainCheckpointer:
                 metadata=ocp.args.JsonRestore(),
             ),
         )
-        return restored.params, restored.opt_state, dict(restored.metadata)
+        metadata = restored.metadata
+        # The metadata is what a resume trusts for counters and data position: it must be
+        # the record this step wrote.
+        if not isinstance(metadata, dict) or metadata.get("step") != step:
+            raise ValueError(f"metadata {metadata!r:.200} is not step {step}'s record")
+        return restored.params, restored.opt_state, dict(metadata)
+
+    def restore(self, params_target, opt_state_target, step: int | None = None):
+        """Restores (params, opt_state, metadata) laid out like the targets.
+
+        Args:
+          params_target, opt_state_target: arrays or ShapeDtypeStructs with shardings.
+          step: a given step, or None for the newest readable checkpoint; unreadable
+            newer ones are then moved aside (see the module docstring).
+
+        Raises:
+          FileNotFoundError: there is no checkpoint.
+          CheckpointError: `step` is unreadable, or (step None) no checkpoint is.
+        """
+        if step is not None:
+            try:
+                return self._restore_step(step, params_target, opt_state_target)
+            except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+                raise CheckpointError(
+                    f"checkpoint {self.step_path(step)}: unreadable: {_first_line(e)}"
+                ) from e
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        unreadable: list[tuple[int, str]] = []
+        for candidate in steps:
+            try:
+                restored = self._restore_step(candidate, params_target, opt_state_target)
+            except Exception as e:  # data or metadata cut short, a file gone, ...
+                unreadable.append((candidate, _first_line(e)))
+                continue
+            for bad, why in unreadable:
+                self._move_aside(bad, why, candidate)
+            if unreadable:
+                self._manager.reload()  # forget the steps moved aside
+            return restored
+        reasons = "; ".join(f"step {s}: {why}" for s, why in unreadable)
+        raise CheckpointError(
+            f"no readable checkpoint under {self.directory} ({reasons}); nothing was moved: "
+            "move the directory aside to start afresh"
+        )
+
+    def _move_aside(self, step: int, why: str, fallback: int) -> None:
+        path = self.step_path(step)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}")
+        n = 1
+        while aside.exists():  # two in the same second: keep both
+            aside = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}-{n}")
+            n += 1
+        os.rename(path, aside)
+        logging.warning(
+            "checkpoint %s is unreadable (%s): moved aside to %s; resuming from step %d",
+            path, why, aside.name, fallback,
+        )  # fmt: skip
 
     def close(self) -> None:
         self._manager.close()
 
 
 def save_weights(directory: str | os.PathLike, params) -> Path:
-    """Writes a weights-only snapshot (atomically, via a temporary directory)."""
+    """Writes a weights-only snapshot (atomically, via a temporary directory).
+
+    Raises:
+      CheckpointError naming the directory.
+    """
     path = Path(directory).absolute()
-    checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
-    checkpointer.save(path, _savable(params), force=True)
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
+        checkpointer.save(path, _savable(params), force=True)
+        checkpointer.wait_until_finished()
+    except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+        raise CheckpointError(f"weights snapshot {path}: cannot save: {_first_line(e)}") from e
     return path
 
 
 def restore_weights(directory: str | os.PathLike, target):
-    """Restores a weights-only snapshot laid out like `target` (any mesh or cell size)."""
-    checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
-    return checkpointer.restore(Path(directory).absolute(), target)
+    """Restores a weights-only snapshot laid out like `target` (any mesh or cell size).
+
+    Raises:
+      CheckpointError naming the directory (missing, or unreadable).
+    """
+    path = Path(directory).absolute()
+    try:
+        checkpointer = ocp.StandardCheckpointer(**_this_process_only("snapshot"))
+        return checkpointer.restore(path, target)
+    except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+        raise CheckpointError(f"weights snapshot {path}: unreadable: {_first_line(e)}") from e

@@ -7,7 +7,11 @@ the execution store in a fixed order (cycling), processes them into a packed bat
 one elastic training step. Checkpoints go to `workdir/checkpoints` every
 `checkpoint.every_steps` steps and at the end, with the data position; an HF export of
 the weights goes to `workdir/hf/step_<n>`. Starting the same command again resumes from
-the latest checkpoint. Per-step metrics are appended to `workdir/metrics.jsonl`.
+the latest checkpoint (metric rows of steps past it are dropped from `metrics.jsonl`,
+since those steps run again, and an HF export a kill cut short is written again).
+Per-step metrics are appended to `workdir/metrics.jsonl`; `bad_records` counts the
+records left out of the step's batch (skipped by the store, or refused by the
+trajectory processor): one bad record never stops a step.
 """
 
 from __future__ import annotations
@@ -21,30 +25,61 @@ from absl import logging
 
 from gyrejax.cells import Cell
 from gyrejax.config import Config, ConfigError
+from gyrejax.logs import prepare_for_append, up_to_step
 from gyrejax.model.hf_io import export_hf
 from gyrejax.model.transformer import Transformer
 from gyrejax.train.checkpoint import TrainCheckpointer
 from gyrejax.train.trainer import ElasticTrainer, StepReport
 from gyrejax.trajectory import ExecutionStore, PackedBatch, process
+from gyrejax.trajectory.process import check_execution
 
 
-def batch_at(config: Config, store: ExecutionStore, group_ids: list[str], position: int, step: int):
-    """The packed batch of `rl.groups_per_step` groups starting at data `position`."""
+def batch_at(
+    config: Config, store: ExecutionStore, group_ids: list[str], position: int, step: int
+) -> tuple[PackedBatch, list[str]]:
+    """The packed batch of `rl.groups_per_step` groups starting at data `position`, and
+    the bad records left out of it (each named, with why).
+
+    Left out: records the store skips (corrupt, or invalid fields), and executions the
+    trajectory processor refuses for this config (a token id beyond model.vocab_size, a
+    call longer than train.row_length, ...). Those are looked for only after `process`
+    raised, so the common case pays nothing extra.
+    """
     groups = [group_ids[(position + i) % len(group_ids)] for i in range(config.rl.groups_per_step)]
-    by_group = store.groups(list(dict.fromkeys(groups)))
+    skipped: list[str] = []
+    by_group = store.groups(list(dict.fromkeys(groups)), skipped=skipped)
     executions = [ex for g in dict.fromkeys(groups) for ex in by_group[g]]
-    return process(
-        executions,
+    limits = dict(
         row_length=config.train.row_length,
+        vocab_size=config.model.vocab_size,
+        eval_retry_budget=config.harness.eval_retry_budget,
+    )
+    options = dict(
         j_max=config.rl.j_max,
         seed=config.seed + step,
         advantage=config.rl.advantage,
         rows_per_micro_step=config.train.rows_per_micro_step,
-        vocab_size=config.model.vocab_size,
     )
+    try:
+        return process(executions, **limits, **options), skipped
+    except ValueError:
+        usable = []
+        for ex in executions:
+            try:
+                check_execution(ex, **limits)
+            except ValueError as e:
+                logging.warning("step %d: left out of the batch: %s", step + 1, e)
+                skipped.append(str(e))
+            else:
+                usable.append(ex)
+        if len(usable) == len(executions):
+            raise  # not one execution's fault
+    return process(usable, **limits, **options), skipped
 
 
-def _metrics_record(report: StepReport, batch: PackedBatch, position: int, loss_name: str) -> dict:
+def _metrics_record(
+    report: StepReport, batch: PackedBatch, position: int, loss_name: str, bad_records: int
+) -> dict:
     return {
         "step": report.step,
         "version": report.version,
@@ -58,6 +93,7 @@ def _metrics_record(report: StepReport, batch: PackedBatch, position: int, loss_
         "data_position": position,
         "step_s": report.step_s,
         "reduction_s": report.reduction_s,
+        "bad_records": bad_records,
     }
 
 
@@ -114,9 +150,9 @@ def train_on_store(
         )
     store = ExecutionStore(config.train.executions_dir)
     group_ids = store.group_ids()
-    if not group_ids:
-        raise ValueError(
-            f"config.train.executions_dir={config.train.executions_dir!r}: no executions"
+    if not group_ids:  # ConfigError: one line at launch, like the missing directory
+        raise ConfigError(
+            f"config.train.executions_dir={config.train.executions_dir}: no readable executions"
         )
     trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
     for cell in cells[1:]:  # every cell trains in this mode; compile before the first step
@@ -128,13 +164,20 @@ def train_on_store(
         meta = trainer.restore(checkpointer)
         position = int(meta["data_position"])
         logging.info("resumed from checkpoint step %d (data position %d)", trainer.step, position)
+        # A kill between the checkpoint and the end of its export leaves an export
+        # without config.json (one that never loads); the checkpoint has its weights.
+        export = workdir / "hf" / f"step_{trainer.step}"
+        if config.checkpoint.export_hf and not (export / "config.json").exists():
+            _export(trainer, workdir, config.checkpoint.keep)
+    # Steps past the checkpoint run again: their rows (and a torn last line) go.
+    prepare_for_append(workdir / "metrics.jsonl", keep=up_to_step(trainer.step))
 
     steps_run, last, empty_in_a_row = 0, {}, 0
     saved_step = trainer.step
     try:
         with open(workdir / "metrics.jsonl", "a") as metrics_file:
             while trainer.step < config.train.steps:
-                batch = batch_at(config, store, group_ids, position, trainer.step)
+                batch, bad = batch_at(config, store, group_ids, position, trainer.step)
                 position += config.rl.groups_per_step
                 if batch.num_micro_steps == 0:
                     empty_in_a_row += 1
@@ -148,7 +191,7 @@ def train_on_store(
                 empty_in_a_row = 0
                 report = trainer.train_step(batch)
                 steps_run += 1
-                last = _metrics_record(report, batch, position, config.rl.loss)
+                last = _metrics_record(report, batch, position, config.rl.loss, len(bad))
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 _log_step(report, batch)

@@ -168,6 +168,42 @@ def _check_args(
         raise ValueError(f"pad_id must be an int32, got {pad_id!r}")
 
 
+def check_execution(
+    execution: Execution,
+    *,
+    row_length: int,
+    vocab_size: int | None = None,
+    eval_retry_budget: int = 3,
+    check_prompts: bool = True,
+) -> str:
+    """Everything `process` requires of one execution on its own (arguments as in
+    `process`); returns what `process` does with it: "train", "placeholder" or "drop".
+
+    A caller that must not let one bad execution stop a batch uses it to find the ones
+    `process` refuses (e.g. `gyrejax.train.loop`, after `process` raised).
+
+    Args:
+      check_prompts: also range-check prompt tokens (`process` leaves this to the tree
+        builder, which sees each shared prompt token once).
+
+    Raises:
+      ValueError naming the execution (and call).
+    """
+    validate_calls(execution, vocab_size)
+    decision = validate_for_training(execution, eval_retry_budget)
+    for call in execution.calls:
+        where = f"execution {execution.execution_id!r} call {call.call_id}"
+        if check_prompts or decision == "drop":  # a dropped one never reaches the tree
+            check_token_range(call.prompt_ids, vocab_size, where, "prompt_ids")
+        if decision != "drop" and call.length > row_length:
+            raise ValueError(
+                f"{where}: context length {call.length} (prompt {len(call.prompt_ids)} + "
+                f"output {len(call.output_ids)}) > row_length {row_length}; a token can only "
+                "be trained with its full context in one row"
+            )
+    return decision
+
+
 def process(
     executions: Sequence[Execution],
     *,
@@ -210,22 +246,14 @@ def process(
     rewards: list[float] = []
     dropped = placeholders = 0
     for ex in executions:
-        validate_calls(ex, vocab_size)
-        decision = validate_for_training(ex, eval_retry_budget)
+        # Prompt tokens of used executions are range-checked by the tree builder.
+        decision = check_execution(
+            ex, row_length=row_length, vocab_size=vocab_size,
+            eval_retry_budget=eval_retry_budget, check_prompts=False,
+        )  # fmt: skip
         if decision == "drop":
-            for call in ex.calls:
-                where = f"execution {ex.execution_id!r} call {call.call_id}"
-                check_token_range(call.prompt_ids, vocab_size, where, "prompt_ids")
             dropped += 1
             continue
-        for call in ex.calls:
-            if call.length > row_length:
-                raise ValueError(
-                    f"execution {ex.execution_id!r} call {call.call_id}: context length "
-                    f"{call.length} (prompt {len(call.prompt_ids)} + output "
-                    f"{len(call.output_ids)}) > row_length {row_length}; a token can only "
-                    f"be trained with its full context in one row"
-                )
         placeholders += decision == "placeholder"
         used.append(ex)
         rewards.append(0.0 if decision == "placeholder" else float(ex.reward))  # type: ignore[arg-type]

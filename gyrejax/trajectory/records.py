@@ -127,7 +127,7 @@ class ModelCall:
     def __post_init__(self) -> None:
         owner = f"execution {self.execution_id!r} call {self.call_id!r}"
         if isinstance(self.call_id, bool) or not isinstance(self.call_id, int | np.integer):
-            raise ValueError(f"{owner}: call_id must be an int")
+            raise ValueError(f"{owner}: call_id={self.call_id!r}: expected an int")
         object.__setattr__(self, "call_id", int(self.call_id))
         for name, dtype in (
             ("prompt_ids", np.int32),
@@ -136,9 +136,11 @@ class ModelCall:
             ("versions", np.int32),
         ):
             object.__setattr__(self, name, _frozen_array(getattr(self, name), dtype, name, owner))
+        if isinstance(self.engines, str):  # tuple("cell0") would be ("c", "e", ...)
+            raise ValueError(f"{owner}: engines={self.engines!r}: expected a sequence of names")
         object.__setattr__(self, "engines", tuple(self.engines))
-        object.__setattr__(self, "started_at", float(self.started_at))
-        object.__setattr__(self, "finished_at", float(self.finished_at))
+        for name in ("started_at", "finished_at"):
+            object.__setattr__(self, name, _as_float(getattr(self, name), name, owner))
 
     @property
     def length(self) -> int:
@@ -178,10 +180,14 @@ class Execution:
     eval_attempts: int = 0
 
     def __post_init__(self) -> None:
+        owner = f"execution {self.execution_id!r}"
         object.__setattr__(self, "calls", tuple(self.calls))
         if self.reward is not None:
-            object.__setattr__(self, "reward", float(self.reward))
-        object.__setattr__(self, "eval_attempts", int(self.eval_attempts))
+            object.__setattr__(self, "reward", _as_float(self.reward, "reward", owner))
+        attempts = self.eval_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int | np.integer):
+            raise ValueError(f"{owner}: eval_attempts={attempts!r}: expected an int")
+        object.__setattr__(self, "eval_attempts", int(attempts))
 
     def sorted_calls(self) -> list[ModelCall]:
         """The calls in call_id order (the order the tree replays them)."""
@@ -195,6 +201,13 @@ class Execution:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _as_float(value: Any, field: str, owner: str) -> float:
+    """`value` as a float; a string or bool is refused (float("1e3") or True would pass)."""
+    if isinstance(value, str | bytes | bool) or not isinstance(value, int | float | np.number):
+        raise ValueError(f"{owner}: {field}={value!r}: expected a number")
+    return float(value)
 
 
 def _fields(obj: Any) -> tuple[dataclasses.Field, ...]:
@@ -248,6 +261,50 @@ def validate_calls(execution: Execution, vocab_size: int | None = None) -> None:
             bad = call.logprobs[~np.isfinite(call.logprobs)][0]
             raise ValueError(f"{where}: non-finite logprob {bad}")
         check_token_range(call.output_ids, vocab_size, where, "output_ids")
+
+
+def validate_record(execution: Execution) -> None:
+    """Checks everything a stored record must satisfy, beyond `validate_calls`: the
+    type of every field (ids and names are strings, numbers are finite numbers), a known
+    status, and a reward that is None or finite. What the store refuses to write, and
+    skips when it reads a record that holds anything else (a record written by other
+    code, or edited: its checksum is then valid but its fields are not).
+
+    Raises:
+      ValueError naming the execution, the field and the offending value.
+    """
+    ex = execution.execution_id
+    if not isinstance(ex, str):
+        raise ValueError(f"execution_id={ex!r}: expected a string")
+    owner = f"execution {ex!r}"
+    for name in ("task_id", "group_id", "status"):
+        value = getattr(execution, name)
+        if not isinstance(value, str):
+            raise ValueError(f"{owner}: {name}={value!r}: expected a string")
+    if execution.status not in STATUSES:
+        raise ValueError(f"{owner}: status={execution.status!r}: expected one of {STATUSES}")
+    reward = execution.reward
+    if reward is not None and not (isinstance(reward, float) and math.isfinite(reward)):
+        raise ValueError(f"{owner}: reward={reward!r}: expected a finite number or None")
+    attempts = execution.eval_attempts
+    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0:
+        raise ValueError(f"{owner}: eval_attempts={attempts!r}: expected an int >= 0")
+    for call in execution.calls:
+        if not isinstance(call, ModelCall):
+            raise ValueError(f"{owner}: calls holds {call!r}, expected ModelCall records")
+        where = f"{owner} call {call.call_id!r}"
+        if not isinstance(call.call_id, int) or isinstance(call.call_id, bool):
+            raise ValueError(f"{where}: call_id={call.call_id!r}: expected an int")
+        for name in ("agent_id", "role", "finish_reason"):
+            value = getattr(call, name)
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {name}={value!r}: expected a string")
+        if not isinstance(call.engines, tuple) or not all(isinstance(e, str) for e in call.engines):
+            raise ValueError(f"{where}: engines={call.engines!r}: expected engine names")
+        for name in ("started_at", "finished_at"):
+            if not math.isfinite(getattr(call, name)):
+                raise ValueError(f"{where}: {name}={getattr(call, name)!r}: expected finite")
+    validate_calls(execution)
 
 
 def check_token_range(

@@ -15,9 +15,16 @@ unique tokens U rather than the naive tokens N.
 Writes are atomic: a temp file (".tmp-*", never listed) in the same directory is
 written, flushed and fsynced, then moved into place with os.link (put without
 overwrite: fails if the record exists) or os.replace (overwrite), and the directory is
-fsynced. A reader therefore sees either no record or a complete one; a record that
-fails its checksum (truncated, bit-flipped) is reported with logging.warning naming
-the file and skipped, never used.
+fsynced. A reader therefore sees either no record or a complete one.
+
+Records are validated both ways (`records.validate_record`: field types, a known status,
+a finite reward or None): `put` refuses a bad execution with a ValueError naming the
+field and value, and a reader skips a record that fails its checksum (truncated,
+bit-flipped) or holds bad fields under a valid checksum (written by other code, or
+edited). A skipped record is named in a warning (once per store object), counted in
+`bad_records`, and reported to the caller that asked for it (`groups(..., skipped=)`),
+so one bad record never stops a reader: iteration, `group_ids()` and group lookups go
+on with the others.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -34,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gyrejax.trajectory.records import Execution, ModelCall, validate_calls
+from gyrejax.trajectory.records import STATUSES, Execution, ModelCall, validate_record
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +54,61 @@ _MAX_NAME = 200
 
 
 class CorruptRecordError(ValueError):
-    """A record file failed its integrity checks."""
+    """A record file failed its integrity checks, or holds fields no execution may have."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_header(header: dict) -> None:
+    """Checks the JSON types of a record header's fields, before any is used.
+
+    A header with a valid checksum can still hold anything (another writer, an edit):
+    `reward: "abc"`, `call_id: "x"`, `execution_id: 12`. The records' constructors
+    would coerce some of these silently and raise on others, so the raw JSON is checked.
+
+    Raises:
+      ValueError naming the field (and call) and the offending value.
+    """
+    for name in ("execution_id", "task_id", "group_id"):
+        if not isinstance(header.get(name), str):
+            raise ValueError(f"{name}={header.get(name)!r}: expected a string")
+    if header.get("status") not in STATUSES:
+        raise ValueError(f"status={header.get('status')!r}: expected one of {STATUSES}")
+    reward = header.get("reward")
+    if reward is not None and not (_is_number(reward) and math.isfinite(reward)):
+        raise ValueError(f"reward={reward!r}: expected a finite number or null")
+    attempts = header.get("eval_attempts")
+    if not _is_int(attempts) or attempts < 0:
+        raise ValueError(f"eval_attempts={attempts!r}: expected an int >= 0")
+    calls = header.get("calls")
+    if not isinstance(calls, list):
+        raise ValueError(f"calls={calls!r}: expected a list")
+    for i, meta in enumerate(calls):
+        if not isinstance(meta, dict):
+            raise ValueError(f"calls[{i}]={meta!r}: expected an object")
+        for name in ("call_id", "prompt_len", "output_len", "ref", "shared"):
+            if not _is_int(meta.get(name)):
+                raise ValueError(f"calls[{i}].{name}={meta.get(name)!r}: expected an int")
+        if meta["prompt_len"] < 0 or meta["output_len"] < 0 or meta["ref"] < -1:
+            raise ValueError(f"calls[{i}]: negative length or reference in {meta!r}")
+        if not 0 <= meta["shared"] <= meta["prompt_len"]:
+            raise ValueError(f"calls[{i}].shared={meta['shared']!r}: outside the prompt")
+        for name in ("agent_id", "role", "finish_reason"):
+            if not isinstance(meta.get(name), str):
+                raise ValueError(f"calls[{i}].{name}={meta.get(name)!r}: expected a string")
+        engines = meta.get("engines")
+        if not isinstance(engines, list) or not all(isinstance(e, str) for e in engines):
+            raise ValueError(f"calls[{i}].engines={engines!r}: expected a list of names")
+        for name in ("started_at", "finished_at"):
+            value = meta.get(name)
+            if not (_is_number(value) and math.isfinite(value)):
+                raise ValueError(f"calls[{i}].{name}={value!r}: expected a finite number")
 
 
 def escape_id(execution_id: str) -> str:
@@ -167,13 +229,19 @@ def decode_execution(data: bytes, source: str = "<bytes>") -> Execution:
         raise bad("header overruns the file")
     try:
         header = json.loads(body[start : start + header_len].decode("utf-8", "surrogatepass"))
-        metas = header["calls"]
-        n_suffix = sum(m["prompt_len"] - m["shared"] for m in metas)
-        n_out = sum(m["output_len"] for m in metas)
-    except (ValueError, KeyError, TypeError) as e:
+    except ValueError as e:
         raise bad(f"unreadable header ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not an object")
     if header.get("format") != 1:
         raise bad(f"unknown format {header.get('format')!r}")
+    try:
+        check_header(header)
+    except ValueError as e:
+        raise bad(f"invalid field {e}") from None
+    metas = header["calls"]
+    n_suffix = sum(m["prompt_len"] - m["shared"] for m in metas)
+    n_out = sum(m["output_len"] for m in metas)
     payload = memoryview(body)[start + header_len :]
     if len(payload) != 4 * (n_suffix + 3 * n_out):
         raise bad(f"payload has {len(payload)} bytes, header implies {4 * (n_suffix + 3 * n_out)}")
@@ -217,7 +285,7 @@ def decode_execution(data: bytes, source: str = "<bytes>") -> Execution:
                     finished_at=m["finished_at"],
                 )
             )
-        return Execution(
+        execution = Execution(
             execution_id=header["execution_id"],
             task_id=header["task_id"],
             group_id=header["group_id"],
@@ -226,8 +294,12 @@ def decode_execution(data: bytes, source: str = "<bytes>") -> Execution:
             reward=header["reward"],
             eval_attempts=header["eval_attempts"],
         )
-    except (KeyError, TypeError) as e:
-        raise bad(f"malformed header field ({e})") from None
+        validate_record(execution)  # roles, array lengths, finite logprobs, unique call ids
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CorruptRecordError):
+            raise
+        raise bad(f"invalid record ({e})") from None
+    return execution
 
 
 def read_header(path: Path) -> dict:
@@ -257,7 +329,8 @@ class ExecutionStore:
 
     `len(store)` and `id in store` look at record files only; a record is read and
     verified by `get` (which raises CorruptRecordError for a bad one) and by iteration
-    (which logs a warning and skips it).
+    and group lookups (which skip it, see the module docstring; `bad_records` lists
+    the bad records met so far).
     """
 
     def __init__(self, root_dir: str | os.PathLike) -> None:
@@ -266,6 +339,28 @@ class ExecutionStore:
         # group id -> record files, from headers only; refreshed from the directory
         # listing on each lookup, so records written by other processes show up.
         self._group_of_path: dict[Path, str] = {}
+        # Bad records seen: path -> ((size, mtime) when found bad, why). A record
+        # rewritten since (another size or time) is read again.
+        self._bad: dict[Path, tuple[tuple[int, int], str]] = {}
+
+    @property
+    def bad_records(self) -> dict[str, str]:
+        """Record file -> why it was skipped, for every bad record this object has met."""
+        return {str(path): why for path, (_, why) in self._bad.items()}
+
+    def _skip(self, path: Path, error: Exception) -> str:
+        """Notes a bad record: a warning the first time this object meets it; returns
+        the reason, naming the file."""
+        why = str(error) if str(path) in str(error) else f"{path}: {error}"
+        try:
+            stat = path.stat()
+            key = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            key = (-1, -1)
+        if self._bad.get(path, (None,))[0] != key:
+            logger.warning("skipping %s", why)
+        self._bad[path] = (key, why)
+        return why
 
     def path_for(self, execution_id: str) -> Path:
         """The record file of an execution id."""
@@ -288,9 +383,10 @@ class ExecutionStore:
 
         Raises:
           FileExistsError if the id is already stored and overwrite is False.
-          ValueError if the execution's calls are malformed (see `validate_calls`).
+          ValueError naming the field and value if the execution is malformed (see
+          `records.validate_record`): nothing is written.
         """
-        validate_calls(execution)
+        validate_record(execution)
         path = self.path_for(execution.execution_id)
         if not overwrite and path.exists():
             raise FileExistsError(f"execution {execution.execution_id!r} already stored at {path}")
@@ -360,21 +456,30 @@ class ExecutionStore:
         try:
             execution = self._load(path)
         except CorruptRecordError as e:
-            logger.warning("%s", e)
+            self._skip(path, e)
             raise
         if execution.execution_id != execution_id:
             raise CorruptRecordError(f"corrupt execution record {path}: id mismatch")
         return execution
 
     def __iter__(self) -> Iterator[Execution]:
-        """Valid executions in file-name order; corrupt records are logged and skipped."""
+        """Valid executions in file-name order; bad records are skipped (see the module
+        docstring)."""
         for path in self._record_files():
-            try:
-                yield self._load(path)
-            except CorruptRecordError as e:
-                logger.warning("skipping %s", e)
-            except OSError as e:  # e.g. removed while iterating
-                logger.warning("skipping unreadable execution record %s: %s", path, e)
+            execution = self._load_or_skip(path)
+            if execution is not None:
+                yield execution
+
+    def _load_or_skip(self, path: Path, skipped: list[str] | None = None) -> Execution | None:
+        """The record at `path`, or None for a bad one (noted; its reason appended to
+        `skipped`)."""
+        try:
+            return self._load(path)
+        except (CorruptRecordError, OSError) as e:  # OSError: e.g. removed meanwhile
+            why = self._skip(path, e)
+            if skipped is not None:
+                skipped.append(why)
+            return None
 
     def __len__(self) -> int:
         return len(self._record_files())
@@ -391,9 +496,15 @@ class ExecutionStore:
         for path in files:
             if path not in self._group_of_path:
                 try:
-                    self._group_of_path[path] = read_header(path)["group_id"]
-                except (CorruptRecordError, OSError, KeyError, TypeError) as e:
-                    logger.warning("skipping unindexable execution record %s: %s", path, e)
+                    group_id = read_header(path).get("group_id")
+                    if not isinstance(group_id, str):  # sorting ids would fail on it
+                        raise CorruptRecordError(
+                            f"invalid execution record {path}: group_id={group_id!r}: "
+                            "expected a string"
+                        )
+                    self._group_of_path[path] = group_id
+                except (CorruptRecordError, OSError) as e:
+                    self._skip(path, e)
 
     def group(self, group_id: str) -> list[Execution]:
         """All valid executions of one group, in file-name order.
@@ -402,25 +513,26 @@ class ExecutionStore:
         """
         return self.groups([group_id])[group_id]
 
-    def groups(self, group_ids: list[str]) -> dict[str, list[Execution]]:
-        """The valid executions of several groups (one directory scan for all)."""
+    def groups(
+        self, group_ids: list[str], *, skipped: list[str] | None = None
+    ) -> dict[str, list[Execution]]:
+        """The valid executions of several groups (one directory scan for all).
+
+        Args:
+          group_ids: the groups wanted.
+          skipped: if given, gets one entry (naming the file and why) per bad record of
+            these groups that was skipped, so a caller can count them per step.
+        """
         self._refresh_group_index()
         wanted = set(group_ids)
         paths: dict[str, list[Path]] = {g: [] for g in group_ids}
         for path, group in self._group_of_path.items():
             if group in wanted:
                 paths[group].append(path)
-        return {g: self._load_valid(sorted(ps)) for g, ps in paths.items()}
-
-    def _load_valid(self, paths: list[Path]) -> list[Execution]:
-        out = []
-        for path in paths:
-            try:
-                out.append(self._load(path))
-            except CorruptRecordError as e:
-                logger.warning("skipping %s", e)
-            except OSError as e:
-                logger.warning("skipping unreadable execution record %s: %s", path, e)
+        out = {}
+        for group, group_paths in paths.items():
+            loaded = (self._load_or_skip(p, skipped) for p in sorted(group_paths))
+            out[group] = [e for e in loaded if e is not None]
         return out
 
     def group_ids(self) -> list[str]:

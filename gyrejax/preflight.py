@@ -1,0 +1,110 @@
+"""Checks of a configuration against what surrounds the run, before anything is built.
+
+`Config` validates itself (field types, ranges, cross-field rules). What it cannot see
+is checked here, each failure one `ConfigError` line naming the field and value:
+
+
+  * `check_inputs` (no JAX; launch runs it right after parsing the config, so a typo
+    costs a second, not a model build): the directories the config names exist
+    (`train.executions_dir` holding records, `model.hf_checkpoint` holding a
+    config.json), and a model that runs the harness covers the byte tokenizer's
+    vocabulary (`harness/tokenizer.py`: its ids would index past the embedding);
+  * `check_devices`, once the device count is known and before any cell is built:
+    `cells.size` divides it, and the async policy leaves a cell to roll out.
+
+`check` runs both (for callers of `run` that skip launch). It imports neither JAX nor
+the model (the byte tokenizer and the store's file suffix are plain Python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from gyrejax.config import Config, ConfigError
+from gyrejax.harness import tokenizer
+from gyrejax.trajectory.store import SUFFIX
+
+
+def _runs_harness(config: Config) -> bool:
+    """Whether the run records executions with the harness (warm start, RL, a rollout
+    batch): everything but training on a stored set."""
+    return not config.train.executions_dir
+
+
+def _runs_rl(config: Config) -> bool:
+    return not config.train.executions_dir and config.train.steps > 0
+
+
+def _model_vocab_size(config: Config) -> int:
+    """The vocabulary the model will have: an HF checkpoint's own, else the config's."""
+    path = config.model.hf_checkpoint
+    if not path:
+        return config.model.vocab_size
+    field = f"config.model.hf_checkpoint={path}"
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            vocab_size = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{field}: unreadable config.json ({e})") from None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ConfigError(f"{field}: config.json has vocab_size={vocab_size!r}")
+    return vocab_size
+
+
+def check_inputs(config: Config) -> None:
+    """The checks that need no device (see the module docstring).
+
+    Raises:
+      ConfigError naming the field and value.
+    """
+    store = config.train.executions_dir
+    if store:
+        if not os.path.isdir(store):
+            raise ConfigError(f"config.train.executions_dir={store}: not a directory")
+        with os.scandir(store) as entries:
+            if not any(e.name.endswith(SUFFIX) and not e.name.startswith(".") for e in entries):
+                raise ConfigError(
+                    f"config.train.executions_dir={store}: no execution records (*{SUFFIX}) in it"
+                )
+    checkpoint = config.model.hf_checkpoint
+    if checkpoint:
+        if not os.path.isdir(checkpoint):
+            raise ConfigError(f"config.model.hf_checkpoint={checkpoint}: not a directory")
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            raise ConfigError(
+                f"config.model.hf_checkpoint={checkpoint}: no config.json (not an HF checkpoint)"
+            )
+    if _runs_harness(config):
+        vocab_size = _model_vocab_size(config)
+        if vocab_size < tokenizer.VOCAB_SIZE:
+            field = "model.vocab_size" if not checkpoint else "model.hf_checkpoint's vocab_size"
+            raise ConfigError(
+                f"config.{field}={vocab_size}: below the harness tokenizer's vocabulary of "
+                f"{tokenizer.VOCAB_SIZE} tokens (its token ids would index past the embedding)"
+            )
+
+
+def check_devices(config: Config, num_devices: int) -> None:
+    """The checks that need the device count (all processes' devices).
+
+    Raises:
+      ConfigError naming the field and value.
+    """
+    size = config.cells.size
+    if num_devices % size:
+        raise ConfigError(f"config.cells.size={size}: must divide the device count {num_devices}")
+    num_cells = num_devices // size
+    s = config.scheduler
+    if _runs_rl(config) and s.policy == "async" and s.async_training_cells >= num_cells:
+        raise ConfigError(
+            f"config.scheduler.async_training_cells={s.async_training_cells}: must be below "
+            f"the number of cells, {num_cells} ({num_devices} devices / cells.size={size}): "
+            "the async policy keeps at least one cell rolling out"
+        )
+
+
+def check(config: Config, num_devices: int) -> None:
+    """`check_inputs` and `check_devices`."""
+    check_inputs(config)
+    check_devices(config, num_devices)
