@@ -37,6 +37,8 @@ ENVIRONMENTS = ("mini_repo",)
 # How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
 # boundary), the Python audit-hook guard only (not a boundary), or bwrap when it works.
 SANDBOXES = ("auto", "bwrap", "python_guard")
+# model.tokenizer's name for the harness's byte tokenizer (any other value is a path).
+BYTE_TOKENIZER = "bytes"
 
 # Logical axis -> mesh axis (or None: replicated). Model code names logical axes only.
 ShardingRules = tuple[tuple[str, str | None], ...]
@@ -128,6 +130,9 @@ class ModelConfig:
     attention: str = "dense"  # training attention over packed tree rows.
     attention_block_size: int = 512  # query/key block of the blocked attention.
     hf_checkpoint: str = ""  # load weights (and architecture) from this HF directory.
+    # "bytes" (the harness's byte tokenizer) or the path of an HF tokenizer directory
+    # (tokenizer.json / tokenizer_config.json; an HF checkpoint directory usually is one).
+    tokenizer: str = BYTE_TOKENIZER
     init_seed: int = 0
 
     def __post_init__(self):
@@ -159,6 +164,12 @@ class ModelConfig:
             _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "expected a positive number")
         _one_of(s, self, "dtype", DTYPES)
         _one_of(s, self, "attention", ATTENTION_IMPLS)
+        if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
+            _fail(
+                f"{s}.tokenizer",
+                self.tokenizer,
+                f"expected {BYTE_TOKENIZER!r} or the path of an HF tokenizer directory",
+            )
 
     @property
     def num_params(self) -> int:

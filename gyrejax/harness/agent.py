@@ -19,6 +19,11 @@ Scoring runs the task's hidden checks on the preserved workspace (reward = fract
 passed); an evaluation that errors is retried up to `eval_retry_budget` times, then the
 execution is `eval_failed`; an empty workspace is `no_artifact` (reward 0). The model
 calls are recorded by the proxy; the harness only assembles the `Execution`.
+
+Contexts are built, and turns parsed, by a chat format (harness/chat.py): the byte
+tokenizer's layout with text actions, or an HF tokenizer's chat template with tool calls
+(`model.tokenizer`). Either way each answer goes back into its context as the exact
+generated ids, so an agent's calls share their prefix in the trajectory tree.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ import numpy as np
 from absl import logging
 
 from gyrejax.config import HarnessConfig
-from gyrejax.harness import tokenizer as tok
+from gyrejax.harness.chat import ByteChat
 from gyrejax.harness.envs import get_environment
-from gyrejax.harness.envs.mini_repo import EvaluationError, parse_action
+from gyrejax.harness.envs.mini_repo import EvaluationError
 from gyrejax.harness.workspace import Workspace
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import SamplingParams
@@ -71,6 +76,7 @@ class Harness:
       temperature: sampling temperature of every call.
       environment: defaults to `get_environment(config.environment,
         sandbox=config.sandbox)`.
+      chat: the chat format (harness/chat.py); default the byte tokenizer's.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Harness:
         *,
         temperature: float = 1.0,
         environment=None,
+        chat=None,
     ):
         self.proxy = proxy
         self.config = config
@@ -89,6 +96,7 @@ class Harness:
         if environment is None:
             environment = get_environment(config.environment, sandbox=config.sandbox)
         self.env = environment
+        self.chat = chat if chat is not None else ByteChat()
 
     # --- executions -----------------------------------------------------------------------
 
@@ -159,16 +167,13 @@ class Harness:
             run.sub_agents += 1
             agent_id, role, summary_role = f"sub-{run.sub_agents}", "sub_agent", "sub_agent_summary"
             system, task_text = SUB_SYSTEM, subtask
-        opening = tok.start_context(system, task_text)
-        context = list(opening)
+        context = self.chat.start(system, task_text)
         for _ in range(max_turns):
             if len(context) > self.config.context_budget_tokens:
-                summary = await self._call(run, agent_id, summary_role, [*context, tok.SUMMARIZE])
-                context = opening + tok.observation(self._clip("summary: " + tok.decode(summary)))
-            output, action = await self._act(run, agent_id, role, context)
-            context = [*context, tok.ASSISTANT, *output]
-            if output[-1:] != [tok.EOT]:  # cut at max_new_tokens: close the turn
-                context.append(tok.EOT)
+                summary = await self._call(run, agent_id, summary_role, context.summary_prompt())
+                context.restart(self._clip("summary: " + self.chat.text(summary)))
+            output, action = await self._act(run, agent_id, role, context.prompt())
+            context.add_answer(output)  # the exact ids: the next prompt extends this one
             if action.malformed:
                 text = f"error: {action.error}"
             elif action.kind == "done":
@@ -180,31 +185,31 @@ class Harness:
                 text = f"subtask result: {result}"
             else:
                 text = await self._tool(run, action)
-            context = context + tok.observation(self._clip(text))
+            context.add_observation(self._clip(text))
         if kind == "main":
             raise _OutOfTurns()
         return "subtask unfinished"
 
-    async def _act(self, run: _Run, agent_id: str, role: str, context: list[int]):
-        """Asks for an action; re-asks the same context while the answer is malformed
+    async def _act(self, run: _Run, agent_id: str, role: str, prompt: list[int]):
+        """Asks for an action; re-asks the same prompt while the answer is malformed
         (each retry is a fork of the same context in the trajectory tree)."""
         for _ in range(1 + self.config.max_retries):
-            output = await self._call(run, agent_id, role, context)
-            action = parse_action(tok.decode(output))
+            output = await self._call(run, agent_id, role, prompt)
+            action = self.chat.parse(output)
             if not action.malformed:
                 break
         return output, action
 
-    async def _call(self, run: _Run, agent_id: str, role: str, context: list[int]) -> list[int]:
+    async def _call(self, run: _Run, agent_id: str, role: str, prompt: list[int]) -> list[int]:
         sampling = SamplingParams(
             temperature=self.temperature,
             max_new_tokens=self.config.max_new_tokens,
-            stop_ids=(tok.EOT,),
+            stop_ids=self.chat.stop_ids,
             seed=(zlib.crc32(run.execution_id.encode()) + run.seed * 7919 + run.calls) % 2**31,
         )
         run.calls += 1
         completion = await self.proxy.generate(
-            run.execution_id, agent_id, role, np.asarray([*context, tok.ASSISTANT]), sampling
+            run.execution_id, agent_id, role, np.asarray(prompt), sampling
         )
         return completion.output_ids.tolist()
 
