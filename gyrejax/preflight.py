@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 
-from gyrejax.config import Config, ConfigError
+from gyrejax.config import BYTE_TOKENIZER, Config, ConfigError
 from gyrejax.harness import tokenizer
 from gyrejax.trajectory.store import SUFFIX
 
@@ -77,12 +77,32 @@ def check_inputs(config: Config) -> None:
             )
     if _runs_harness(config):
         vocab_size = _model_vocab_size(config)
-        if vocab_size < tokenizer.VOCAB_SIZE:
+        tokenizer_size = _tokenizer_size(config.model.tokenizer)
+        if vocab_size < tokenizer_size:
             field = "model.vocab_size" if not checkpoint else "model.hf_checkpoint's vocab_size"
+            path = config.model.tokenizer
+            named = "" if path == BYTE_TOKENIZER else f" (model.tokenizer={path})"
             raise ConfigError(
                 f"config.{field}={vocab_size}: below the harness tokenizer's vocabulary of "
-                f"{tokenizer.VOCAB_SIZE} tokens (its token ids would index past the embedding)"
+                f"{tokenizer_size} tokens{named} (its token ids would index past the embedding)"
             )
+
+
+def _tokenizer_size(path: str) -> int:
+    """How many ids the harness's tokenizer produces: the byte tokenizer's, or an HF
+    tokenizer directory's `len(tokenizer)` (its added tokens included; a checkpoint's
+    vocab_size may be padded beyond it, as Qwen's are)."""
+    if path == BYTE_TOKENIZER:
+        return tokenizer.VOCAB_SIZE
+    from gyrejax.harness.chat import tokenizer_size  # transformers, only for an HF path
+
+    try:
+        return tokenizer_size(path)
+    except Exception as e:  # whatever transformers raises for a directory it cannot load
+        raise ConfigError(
+            f"config.model.tokenizer={path}: not a loadable HF tokenizer "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
 
 
 def check_devices(config: Config, num_devices: int) -> None:

@@ -22,6 +22,7 @@ from absl import logging
 from gyrejax.cells import Cell
 from gyrejax.config import Config
 from gyrejax.harness.agent import Harness
+from gyrejax.harness.chat import load_chat
 from gyrejax.harness.demonstrations import demonstration_executions
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.sandbox import sandbox_summary
@@ -49,6 +50,7 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
                 env, tasks, config.harness, workdir / "demonstration_workspaces",
                 seed=config.seed, quality=config.warmup.quality,
                 delegation_prob=config.warmup.delegation_prob,
+                chat=load_chat(config.model.tokenizer),
             )
         )  # fmt: skip
         for execution in executions:
@@ -94,7 +96,8 @@ async def _rollout(config: Config, cells: list[Cell], model: Transformer, workdi
     ]  # fmt: skip
     proxy = Proxy(engines)
     harness = Harness(proxy, config.harness, workdir / "workspaces",
-                      temperature=config.rollout.temperature, environment=env)  # fmt: skip
+                      temperature=config.rollout.temperature, environment=env,
+                      chat=load_chat(config.model.tokenizer))  # fmt: skip
     store = ExecutionStore(workdir / "executions")
     tasks = draw_tasks(env, config.harness, config.rl.groups_per_step, seed=2, run_seed=config.seed)
 

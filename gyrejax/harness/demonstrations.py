@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.config import HarnessConfig
-from gyrejax.harness import tokenizer as tok
 from gyrejax.harness.agent import SUB_SYSTEM, Harness
+from gyrejax.harness.chat import ByteChat
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.trajectory import Execution
@@ -31,8 +31,11 @@ async def demonstration_executions(
     seed: int,
     quality: float,
     delegation_prob: float = 0.2,
+    chat=None,
 ) -> list[Execution]:
-    """One scored demonstration execution per task, recorded through the real proxy."""
+    """One scored demonstration execution per task, recorded through the real proxy, in
+    `chat`'s format (harness/chat.py; default the byte tokenizer's)."""
+    chat = chat if chat is not None else ByteChat()
     rng = np.random.default_rng(seed)
     scripts: dict[str, dict[str, list[str]]] = {}
     for i, task in enumerate(tasks):
@@ -44,14 +47,14 @@ async def demonstration_executions(
 
     def respond(prompt: np.ndarray, request) -> list[int]:
         execution_id = request.request_id.rsplit("/", 1)[0]
-        if int(prompt[-2]) == tok.SUMMARIZE:
-            return tok.answer("files written so far")
-        kind = "sub" if tok.decode(prompt).startswith(SUB_SYSTEM) else "main"
+        kind = chat.prompt_kind(prompt, SUB_SYSTEM)
+        if kind == "summary":
+            return chat.answer("files written so far")
         remaining = scripts[execution_id][kind]
-        return tok.answer(remaining.pop(0) if remaining else "done")
+        return chat.answer(remaining.pop(0) if remaining else "done")
 
     proxy = Proxy([ScriptedEngine("demonstrator", respond)])
-    harness = Harness(proxy, config, workdir, temperature=0.0, environment=env)
+    harness = Harness(proxy, config, workdir, temperature=0.0, environment=env, chat=chat)
     # Each demonstration is its own group: SFT needs no group-relative advantage.
     runs = [
         harness.run_execution(task, execution_id, group_id=execution_id, seed=i)

@@ -48,6 +48,7 @@ from absl import logging
 from gyrejax.cells import Cell
 from gyrejax.config import Config, ConfigError
 from gyrejax.harness.agent import Harness
+from gyrejax.harness.chat import load_chat
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
@@ -191,6 +192,7 @@ class Runtime:
                 self.workdir / "workspaces",
                 temperature=self.config.rollout.temperature,
                 environment=self.env,
+                chat=load_chat(self.config.model.tokenizer),
             )
             for cell in self.cells:
                 self.timeline.append((0.0, cell.index, Role.ROLLOUT.value))
