@@ -28,7 +28,10 @@ from gyrejax.harness import tokenizer as tok
 from gyrejax.serve.wire import FieldError, as_list, as_str, get
 
 ROLES = ("system", "user", "assistant", "tool")
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
+_CLOSE = re.compile(r"\s*</tool_call>")
+_SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,21 +154,38 @@ def split_tool_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
 
     A `<tool_call>` block that is not a JSON object with a string "name" stays in the
     content: the harness sees what the policy wrote instead of a silently dropped call.
+    The JSON is read by a decoder, not cut at the first `</tool_call>`, so arguments
+    may contain that text (a file about tool calls).
     """
     calls, kept, last = [], [], 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
+    start = text.find(_OPEN)
+    while start != -1:
+        match = _tool_call_at(text, start)
+        if match is None:
+            start = text.find(_OPEN, start + 1)
             continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            continue
+        payload, end = match
         arguments = payload.get("arguments", {})
         calls.append((payload["name"], json.dumps(arguments, ensure_ascii=False)))
-        kept.append(text[last : match.start()])
-        last = match.end()
+        kept.append(text[last:start])
+        last = end
+        start = text.find(_OPEN, end)
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls
+
+
+def _tool_call_at(text: str, start: int) -> tuple[dict, int] | None:
+    """The call in the `<tool_call>` block opening at `start` and the block's end, or
+    None if it is not `<tool_call>` JSON-object-with-a-name `</tool_call>`."""
+    body = _SPACE.match(text, start + len(_OPEN)).end()
+    try:
+        payload, end = _DECODER.raw_decode(text, body)
+    except json.JSONDecodeError:
+        return None
+    close = _CLOSE.match(text, end)
+    if close is None or not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return None
+    return payload, close.end()
 
 
 def tool_calls_text(calls: Sequence[ToolCall]) -> str:
