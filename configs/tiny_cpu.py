@@ -68,6 +68,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.model.attention = "blocked"
     c.model.attention_block_size = 256
     c.model.hf_checkpoint = ""  # set to an HF directory to start from trained weights
+    c.model.tokenizer = "bytes"  # or an HF tokenizer directory (python -m gyrejax.harness.bpe DIR)
     c.model.init_seed = 0
 
     # Rollout engines (JAX engine on each rollout cell).

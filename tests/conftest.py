@@ -70,6 +70,15 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
     return {name: write_hf_checkpoint(root / name, name) for name in HF_VARIANTS}
 
 
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory) -> pathlib.Path:
+    """The directory of a small Qwen3-style HF tokenizer (gyrejax/harness/bpe.py: a
+    1024-token BPE trained on the package's source), built once per session."""
+    from gyrejax.harness.bpe import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("bpe"), vocab_size=1024)
+
+
 def load_config_file(name: str, variant: str | None = None):
     """`get_config(variant)` of `configs/<name>.py`, loaded by path like ml_collections."""
     import importlib.util

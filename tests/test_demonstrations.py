@@ -42,3 +42,26 @@ def test_imperfect_demonstrations_have_room_to_improve(tmp_path):
     )
     rewards = np.array([e.reward for e in executions])
     assert 0.2 < rewards.mean() < 0.95
+
+
+def test_demonstrations_in_an_hf_chat_format_score_one_and_pack(tmp_path, bpe_tokenizer):
+    from gyrejax.harness.chat import load_chat
+
+    chat = load_chat(str(bpe_tokenizer))
+    env = MiniRepoEnv()
+    tasks = env.sample_tasks(4, seed=3, difficulty=[1, 2, 3])
+    executions = asyncio.run(
+        demonstration_executions(
+            env, tasks, HarnessConfig(), tmp_path, seed=0, quality=1.0, delegation_prob=0.5,
+            chat=chat,
+        )
+    )  # fmt: skip
+    assert [e.reward for e in executions] == [1.0] * 4
+    for e in executions:  # every action is one tool call; every answer ends its turn
+        for call in e.calls:
+            assert call.output_ids[-1] == chat.stop_ids[0]
+            if call.role in ("main", "sub_agent"):
+                assert not chat.parse(call.output_ids).malformed
+    batch = process(executions, row_length=4096, j_max=None, vocab_size=chat.vocab_size)
+    generated = sum(len(c.output_ids) for e in executions for c in e.calls)
+    assert batch.stats.admitted_trainable_tokens == generated

@@ -230,8 +230,10 @@ class HfChat:
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
-        stops = [tokenizer.eos_token_id]
-        stops += [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        # The end-of-turn token first (what a turn ends with, as the template closes
+        # it), then the tokenizer's eos (a base model's <|endoftext|>).
+        stops = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+        stops.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
         unknown = tokenizer.unk_token_id
         stop_ids = tuple(dict.fromkeys(s for s in stops if s is not None and s != unknown))
         self.tokenizer = tokenizer
