@@ -79,6 +79,21 @@ def test_values_are_coerced_to_field_types():
             r"config\.harness\.sandbox='docker': expected one of auto, bwrap, python_guard",
         ),
         (
+            {"model": {"tokenizer": " "}},
+            r"config\.model\.tokenizer=' ': expected 'bytes' or the path of an HF tokenizer",
+        ),
+        (  # a config file's placeholder left unset
+            {"model": {"hf_checkpoint": None}},
+            r"^config\.model\.hf_checkpoint=None: required, not set \(pass "
+            r"--config\.model\.hf_checkpoint=\.\.\.\)$",
+        ),
+        (
+            {"rollout": {"gpu_memory_utilization": 0}},
+            r"config\.rollout\.gpu_memory_utilization=0\.0: expected a fraction in \(0, 1\]",
+        ),
+        ({"rollout": {"gpu_memory_utilization": 1.5}}, r"gpu_memory_utilization=1\.5"),
+        ({"rollout": {"gpu_memory_utilization": True}}, r"gpu_memory_utilization=True"),
+        (
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
         ),
