@@ -110,8 +110,9 @@ def test_config_is_frozen():
         config.model.num_layers = 3
 
 
-def test_tiny_config_lists_every_field_so_every_field_can_be_overridden():
-    config = load_config_file("tiny_cpu")
+@pytest.mark.parametrize(("name", "variant"), [("tiny_cpu", None), ("qwen3_gpu", "8b")])
+def test_config_files_list_every_field_so_every_field_can_be_overridden(name, variant):
+    config = load_config_file(name, variant)
     sections = typing.get_type_hints(Config)
     for name, cls in sections.items():
         if dataclasses.is_dataclass(cls):
