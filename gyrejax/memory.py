@@ -72,8 +72,13 @@ def cell_mesh(cells: CellsConfig) -> AbstractMesh:
     return AbstractMesh((cells.fsdp, cells.tensor), MESH_AXES)
 
 
+@functools.lru_cache(maxsize=8)
 def abstract_state(model: ModelConfig) -> nnx.State:
-    """The model's parameters as shapes and dtypes (with their logical axes)."""
+    """The model's parameters as shapes and dtypes (with their logical axes).
+
+    Cached (building an 8B model abstractly takes seconds, and each check needs it):
+    callers only read the result.
+    """
     return nnx.state(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))
 
 
@@ -251,12 +256,6 @@ class Estimate:
         return self.hbm_bytes - self.training.total
 
 
-@functools.lru_cache(maxsize=8)
-def _abstract_state(model: ModelConfig) -> nnx.State:
-    # Building an 8B model abstractly takes seconds; the estimate needs it several times.
-    return abstract_state(model)
-
-
 def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingMemory:
     mesh_shape = dict(mesh.shape)
     specs = sharding.partition_specs(state, mesh, config.train.sharding_rules)
@@ -339,7 +338,7 @@ def estimate(config: Config, hbm_bytes: int = H200_BYTES) -> Estimate:
     above (1 - HEADROOM) of the device, the engine above its share, or on the core cell
     the share plus the trainer's state above the device."""
     mesh = cell_mesh(config.cells)
-    state = _abstract_state(config.model)
+    state = abstract_state(config.model)
     training = _training(config, state, mesh)
     rollout = _rollout(config, state, mesh, hbm_bytes, training.resident)
     problems = []
