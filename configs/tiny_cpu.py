@@ -68,6 +68,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.model.attention = "blocked"
     c.model.attention_block_size = 256
     c.model.hf_checkpoint = ""  # set to an HF directory to start from trained weights
+    c.model.tokenizer = "bytes"  # or an HF tokenizer directory (the harness reads bytes yet)
     c.model.init_seed = 0
 
     # Rollout engines (JAX engine on each rollout cell).
@@ -76,6 +77,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.max_slots = 16
     c.rollout.max_seq_len = 640
     c.rollout.temperature = 1.0
+    c.rollout.gpu_memory_utilization = 0.9  # a vLLM engine's share of a GPU; unused on CPU
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, by URL (vLLM servers, gyrejax engine servers); they
     # rejoin each published version from an HF export under --workdir.

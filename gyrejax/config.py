@@ -37,6 +37,8 @@ ENVIRONMENTS = ("mini_repo",)
 # How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
 # boundary), the Python audit-hook guard only (not a boundary), or bwrap when it works.
 SANDBOXES = ("auto", "bwrap", "python_guard")
+# model.tokenizer's name for the harness's byte tokenizer (any other value is a path).
+BYTE_TOKENIZER = "bytes"
 
 # Logical axis -> mesh axis (or None: replicated). Model code names logical axes only.
 ShardingRules = tuple[tuple[str, str | None], ...]
@@ -128,6 +130,9 @@ class ModelConfig:
     attention: str = "dense"  # training attention over packed tree rows.
     attention_block_size: int = 512  # query/key block of the blocked attention.
     hf_checkpoint: str = ""  # load weights (and architecture) from this HF directory.
+    # "bytes" (the harness's byte tokenizer) or the path of an HF tokenizer directory
+    # (tokenizer.json / tokenizer_config.json; an HF checkpoint directory usually is one).
+    tokenizer: str = BYTE_TOKENIZER
     init_seed: int = 0
 
     def __post_init__(self):
@@ -159,6 +164,12 @@ class ModelConfig:
             _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "expected a positive number")
         _one_of(s, self, "dtype", DTYPES)
         _one_of(s, self, "attention", ATTENTION_IMPLS)
+        if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
+            _fail(
+                f"{s}.tokenizer",
+                self.tokenizer,
+                f"expected {BYTE_TOKENIZER!r} or the path of an HF tokenizer directory",
+            )
 
     @property
     def num_params(self) -> int:
@@ -214,6 +225,9 @@ class RolloutConfig:
     max_slots: int = 8  # concurrent sequences per engine.
     max_seq_len: int = 2048  # KV-cache length per slot.
     temperature: float = 1.0
+    # The fraction of each device's memory a vLLM engine may take (weights, KV cache, its
+    # activations); the trainer's state on the core cell needs the rest. Unused on CPU.
+    gpu_memory_utilization: float = 0.9
     sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, reached by URL and always rolling out beside the rollout
     # cells; each published version reaches them as an HF export under the workdir, which
@@ -230,6 +244,17 @@ class RolloutConfig:
                     _fail(f"rollout.{name}[{i}]", url, "expected an http:// or https:// URL")
         _positive("rollout", self, "max_slots", "max_seq_len")
         _non_negative("rollout", self, "temperature")
+        fraction = self.gpu_memory_utilization
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 < fraction <= 1
+        ):
+            _fail(
+                "rollout.gpu_memory_utilization",
+                self.gpu_memory_utilization,
+                "expected a fraction in (0, 1]",
+            )
         _check_rules("rollout", self.sharding_rules, MESH_AXES)
 
 
@@ -457,6 +482,12 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _build(path, hint, value)
+    if value is None and not (
+        origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    ):
+        # A config file marks a field it cannot default with config_dict.placeholder
+        # (e.g. the checkpoint of configs/qwen3_gpu.py): None until the command line sets it.
+        _fail(path, value, f"required, not set (pass --config.{path}=...)")
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(path, value, "expected a number")
