@@ -4,7 +4,8 @@ Usage:
   python benchmarks/schedule_bench.py [--quick] [--json PATH] [--config PATH[:variant]]
                                       [--plot PATH] [--sensitivity] [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
-                                      [--calibrate DIR]
+                                      [--real_workdir DIR] [--real_regimes compute,latency]
+                                      [--calibrate DIR|elastic] [--reward_plot PATH]
 
 In the discrete-event simulator (gyrejax/scheduler/simulator.py; the model and its
 assumptions are in `configs/sim_paper.py`'s docstring), over the same traces for every
@@ -29,9 +30,13 @@ policy:
 
 `--real` runs the three policies (async over every split) as real tiny CPU runs of equal
 work, in two regimes (compute-bound: today's tiny_cpu; latency-bound: tool calls that
-wait), each from the same warm start if `--real_warm DIR` is given. `--calibrate DIR`
-fits the simulator's model to a real run's logs (gyrejax.scheduler.calibrate) and
-predicts the real runs of all three policies (with --real: the ones just run).
+wait), each from the same warm start if `--real_warm DIR` is given, and plots each
+policy's step reward against wall clock (`--reward_plot`). `--calibrate DIR` fits the
+simulator's model to a real run's logs (gyrejax.scheduler.calibrate) and predicts the
+real runs of all three policies (with --real: the ones just run); `--calibrate elastic`
+fits each regime's elastic run and predicts the others of that regime out of sample.
+Every real run's log is its workdir's launch.log; runs already finished in
+`--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -42,6 +47,7 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
+import re
 import shutil
 import subprocess
 import sys
@@ -406,17 +412,25 @@ REGIMES = {
 }
 
 
-def real_variants(cells: int = 4) -> list[tuple[str, list[str]]]:
-    variants = [("colocate", ["--config.scheduler.policy=colocate"])]
-    for k in range(1, cells):
-        variants.append(
-            (
-                f"async({k})",
-                ["--config.scheduler.policy=async", f"--config.scheduler.async_training_cells={k}"],
-            )
-        )
-    variants.append(("elastic", ["--config.scheduler.policy=elastic"]))
+def real_variants(cells: int = 4, mus: tuple[int, ...] = (1, 2)) -> list[tuple[str, list[str]]]:
+    """Every policy at every publication cadence mu (and async at every split), all under
+    tiny_cpu's gate S = 3: each policy's best is the fairly tuned one."""
+    variants = []
+    for mu in mus:
+        cadence = [f"--config.scheduler.mu={mu}"]
+        variants.append((f"colocate mu={mu}", ["--config.scheduler.policy=colocate", *cadence]))
+        for k in range(1, cells):
+            split = f"--config.scheduler.async_training_cells={k}"
+            flags = ["--config.scheduler.policy=async", split]
+            variants.append((f"async({k}) mu={mu}", [*flags, *cadence]))
+        variants.append((f"elastic mu={mu}", ["--config.scheduler.policy=elastic", *cadence]))
     return variants
+
+
+def best_of(runs: dict, policy: str) -> tuple[str, dict]:
+    """The fastest run (name, run) of `policy` among the variants."""
+    named = [(n, r) for n, r in runs.items() if n.startswith(policy)]
+    return min(named, key=lambda x: x[1]["wall_s"])
 
 
 def real_runs(args) -> dict:
@@ -426,12 +440,20 @@ def real_runs(args) -> dict:
     from gyrejax.scheduler import calibrate
 
     root = Path(args.real_workdir or tempfile.mkdtemp(prefix="schedule_bench_"))
+    regimes = args.real_regimes.split(",") if args.real_regimes else list(REGIMES)
     results = {}
-    for regime, regime_flags in REGIMES.items():
+    for regime in regimes:
         results[regime] = {}
         for name, flags in real_variants():
-            workdir = root / regime / name.replace("(", "_").replace(")", "")
-            if args.real_warm and not workdir.exists():
+            workdir = root / regime / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+            if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
+                print(f"[real] {workdir}: done before, read back", flush=True)
+                results[regime][name] = calibrate.read_run(workdir)
+                continue
+            # A run cut short would resume from its checkpoint and time only its rest:
+            # every measured run starts afresh.
+            shutil.rmtree(workdir, ignore_errors=True)
+            if args.real_warm:
                 for part in ("demonstrations", "warmup"):
                     shutil.copytree(Path(args.real_warm) / part, workdir / part)
             command = [
@@ -442,66 +464,104 @@ def real_runs(args) -> dict:
                 "configs/tiny_cpu.py",
                 f"--workdir={workdir}",
                 *flags,
-                *regime_flags,
+                *REGIMES[regime],
                 f"--config.train.steps={args.real_steps}",
                 *([] if args.real_warm else ["--config.warmup.steps=0"]),
             ]
             print(f"[real] {' '.join(command)}", flush=True)
-            subprocess.run(
-                command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
+            workdir.mkdir(parents=True, exist_ok=True)
+            with open(workdir / "launch.log", "w") as log:
+                done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            if done.returncode != 0:
+                tail = (workdir / "launch.log").read_text().splitlines()[-20:]
+                raise SystemExit(f"{name} ({regime}) failed:\n" + "\n".join(tail))
             results[regime][name] = calibrate.read_run(workdir)
         _print_real(regime, results[regime])
     return {"root": str(root), "runs": results}
 
 
 def _print_real(regime: str, runs: dict) -> None:
-    best_async = min(
-        (r for n, r in runs.items() if n.startswith("async")), key=lambda r: r["wall_s"]
-    )
-    elastic = runs["elastic"]["wall_s"]
-    print(f"\n### real tiny CPU runs, {regime}-bound regime (4 cells, equal work)\n")
+    _, elastic = best_of(runs, "elastic")
+    print(f"\n### real tiny CPU runs, {regime}-bound regime (4 cells, equal work, S = 3)\n")
     print(
-        "| policy | steps | RL wall s | / elastic | utilisation | idle share: "
+        "| variant | steps | RL wall s | / best elastic | utilisation | idle share: "
         + ", ".join(IDLE_CAUSES)
-        + " | reward first -> last | switches |"
+        + " | reward first -> last | switches | max staleness |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         idle = ", ".join(f"{r['idle_share'].get(k, 0):.2f}" for k in IDLE_CAUSES)
         print(
-            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {r['wall_s'] / elastic:.2f}x "
+            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {r['wall_s'] / elastic['wall_s']:.2f}x "
             f"| {r['utilisation']:.3f} | {idle} "
-            f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['switches']} |"
+            f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['switches']} "
+            f"| {r['staleness_max']:.0f} |"
         )
-    print(
-        f"\nelastic vs the better baseline: "
-        f"{min(best_async['wall_s'], runs['colocate']['wall_s']) / elastic:.2f}x"
-    )
+    best = {p: best_of(runs, p) for p in ("colocate", "async", "elastic")}
+    listed = ", ".join(f"{n} {r['wall_s']:.0f} s" for n, r in best.values())
+    print(f"\nbest of each policy: {listed}")
+    baseline = min(best["colocate"][1]["wall_s"], best["async"][1]["wall_s"])
+    print(f"elastic vs the better baseline: {baseline / elastic['wall_s']:.2f}x")
 
 
 def calibrate_and_predict(args, real: dict | None) -> dict:
-    """Fits the simulator to the run in --calibrate and predicts the real runs."""
+    """Fits the simulator to a real run and predicts the real runs.
+
+    `--calibrate DIR` fits the run in DIR and predicts every real run; `--calibrate
+    elastic` (with --real) fits each regime's elastic run and predicts that regime's
+    runs, so the other policies are out-of-sample predictions."""
     from gyrejax.scheduler import calibrate
 
-    fit = calibrate.fit_run(Path(args.calibrate))
-    print(f"\n### calibration from {args.calibrate}\n")
-    for k, v in fit.summary().items():
-        print(f"  {k}: {v}")
-    out = {"fit": fit.summary(), "predictions": {}}
     runs = (real or {}).get("runs", {})
-    for regime, by_policy in runs.items():
+    out = {"fits": {}, "predictions": {}}
+    for regime, by_policy in runs.items() or [("", {})]:
+        if args.calibrate == "elastic":
+            source = best_of(by_policy, "elastic")[1]["workdir"]
+        else:
+            source = args.calibrate
+        fit = calibrate.fit_run(Path(source))
+        out["fits"][regime or "all"] = {"source": source, **fit.summary()}
+        print(f"\n### calibration from {source}\n")
+        for k, v in fit.summary().items():
+            print(f"  {k}: {v}")
+        if not by_policy:
+            continue
         print(f"\n| {regime} regime | measured s | predicted s | predicted / measured |")
         print("|---|---|---|---|")
         for name, run in by_policy.items():
             predicted = calibrate.predict(fit, run)
+            in_sample = run["workdir"] == str(Path(source))
             out["predictions"][f"{regime}/{name}"] = {
                 "measured_s": run["wall_s"],
                 "predicted_s": predicted,
+                "in_sample": in_sample,
             }
+            label = f"{name} (fitted)" if in_sample else name
             ratio = predicted / run["wall_s"]
-            print(f"| {name} | {run['wall_s']:.0f} | {predicted:.0f} | {ratio:.3f} |")
+            print(f"| {label} | {run['wall_s']:.0f} | {predicted:.0f} | {ratio:.3f} |")
     return out
+
+
+def reward_plot(real: dict, path: Path) -> None:
+    """Reward of each trained step against the wall-clock time it finished, per policy,
+    one panel per regime: staleness costs learning as well as time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gyrejax.logs import read_jsonl
+
+    regimes = real["runs"]
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4), squeeze=False)
+    for ax, (regime, by_policy) in zip(axes[0], regimes.items(), strict=True):
+        for name, run in by_policy.items():
+            steps = read_jsonl(Path(run["workdir"]) / "metrics.jsonl")
+            ax.plot([s["time_s"] for s in steps], [s["reward"] for s in steps], ".-", label=name)
+        ax.set(title=f"{regime}-bound", xlabel="wall clock s", ylabel="step reward")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
@@ -520,9 +580,17 @@ def main() -> None:
     )
     parser.add_argument("--real", action="store_true", help="also run real tiny CPU runs")
     parser.add_argument("--real_steps", type=int, default=12)
-    parser.add_argument("--real_workdir", default=None)
+    parser.add_argument(
+        "--real_workdir", default=None, help="runs finished there before are read back, not rerun"
+    )
+    parser.add_argument("--real_regimes", default=None, help="e.g. latency (default: both)")
     parser.add_argument("--real_warm", default=None, help="a tiny_cpu workdir to start from")
-    parser.add_argument("--calibrate", default=None, help="a real run's workdir to fit")
+    parser.add_argument(
+        "--calibrate",
+        default=None,
+        help="a real run's workdir to fit, or 'elastic': each regime's elastic run (--real)",
+    )
+    parser.add_argument("--reward_plot", default="schedule_real_reward.png")
     args = parser.parse_args()
     spec = args.config or ("configs/sim_paper.py:quick" if args.quick else "configs/sim_paper.py")
     cfg = load_config(spec)
@@ -538,6 +606,8 @@ def main() -> None:
                 sensitivity(pool, cfg, report)
     if args.real:
         report["real"] = real_runs(args)
+        reward_plot(report["real"], Path(args.reward_plot))
+        print(f"\nreward against wall clock: {args.reward_plot}")
     if args.calibrate:
         report["calibration"] = calibrate_and_predict(args, report.get("real"))
     if args.json:

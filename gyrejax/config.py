@@ -225,6 +225,9 @@ class RolloutConfig:
     max_slots: int = 8  # concurrent sequences per engine.
     max_seq_len: int = 2048  # KV-cache length per slot.
     temperature: float = 1.0
+    # The fraction of each device's memory a vLLM engine may take (weights, KV cache, its
+    # activations); the trainer's state on the core cell needs the rest. Unused on CPU.
+    gpu_memory_utilization: float = 0.9
     sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, reached by URL and always rolling out beside the rollout
     # cells; each published version reaches them as an HF export under the workdir, which
@@ -241,6 +244,17 @@ class RolloutConfig:
                     _fail(f"rollout.{name}[{i}]", url, "expected an http:// or https:// URL")
         _positive("rollout", self, "max_slots", "max_seq_len")
         _non_negative("rollout", self, "temperature")
+        fraction = self.gpu_memory_utilization
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 < fraction <= 1
+        ):
+            _fail(
+                "rollout.gpu_memory_utilization",
+                self.gpu_memory_utilization,
+                "expected a fraction in (0, 1]",
+            )
         _check_rules("rollout", self.sharding_rules, MESH_AXES)
 
 
@@ -468,6 +482,12 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _build(path, hint, value)
+    if value is None and not (
+        origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    ):
+        # A config file marks a field it cannot default with config_dict.placeholder
+        # (e.g. the checkpoint of configs/qwen3_gpu.py): None until the command line sets it.
+        _fail(path, value, f"required, not set (pass --config.{path}=...)")
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(path, value, "expected a number")

@@ -7,13 +7,16 @@ is checked here, each failure one `ConfigError` line naming the field and value:
   * `check_inputs` (no JAX; launch runs it right after parsing the config, so a typo
     costs a second, not a model build): the directories the config names exist
     (`train.executions_dir` holding records, `model.hf_checkpoint` holding a
-    config.json), and a model that runs the harness covers the byte tokenizer's
-    vocabulary (`harness/tokenizer.py`: its ids would index past the embedding);
+    config.json, a `model.tokenizer` path holding an HF tokenizer's files), and a model
+    that runs the harness covers its tokenizer's vocabulary (the byte tokenizer's, or
+    `len()` of the HF tokenizer, loaded with transformers): its ids would index past the
+    embedding;
   * `check_devices`, once the device count is known and before any cell is built:
     `cells.size` divides it, and the async policy leaves a cell to roll out.
 
 `check` runs both (for callers of `run` that skip launch). It imports neither JAX nor
-the model (the byte tokenizer and the store's file suffix are plain Python).
+the model (the byte tokenizer and the store's file suffix are plain Python; transformers
+only for an HF tokenizer).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import os
 from gyrejax.config import BYTE_TOKENIZER, Config, ConfigError
 from gyrejax.harness import tokenizer
 from gyrejax.trajectory.store import SUFFIX
+
+# What marks a directory as an HF tokenizer (AutoTokenizer.from_pretrained reads either).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _runs_harness(config: Config) -> bool:
@@ -74,6 +80,18 @@ def check_inputs(config: Config) -> None:
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             raise ConfigError(
                 f"config.model.hf_checkpoint={checkpoint}: no config.json (not an HF checkpoint)"
+            )
+    tokenizer_dir = config.model.tokenizer
+    if tokenizer_dir != BYTE_TOKENIZER:
+        field = f"config.model.tokenizer={tokenizer_dir}"
+        if not os.path.isdir(tokenizer_dir):
+            raise ConfigError(
+                f"{field}: not a directory (expected {BYTE_TOKENIZER!r} or an HF tokenizer "
+                "directory)"
+            )
+        if not any(os.path.isfile(os.path.join(tokenizer_dir, f)) for f in TOKENIZER_FILES):
+            raise ConfigError(
+                f"{field}: no {' or '.join(TOKENIZER_FILES)} (not an HF tokenizer directory)"
             )
     if _runs_harness(config):
         vocab_size = _model_vocab_size(config)

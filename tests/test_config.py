@@ -79,6 +79,21 @@ def test_values_are_coerced_to_field_types():
             r"config\.harness\.sandbox='docker': expected one of auto, bwrap, python_guard",
         ),
         (
+            {"model": {"tokenizer": " "}},
+            r"config\.model\.tokenizer=' ': expected 'bytes' or the path of an HF tokenizer",
+        ),
+        (  # a config file's placeholder left unset
+            {"model": {"hf_checkpoint": None}},
+            r"^config\.model\.hf_checkpoint=None: required, not set \(pass "
+            r"--config\.model\.hf_checkpoint=\.\.\.\)$",
+        ),
+        (
+            {"rollout": {"gpu_memory_utilization": 0}},
+            r"config\.rollout\.gpu_memory_utilization=0\.0: expected a fraction in \(0, 1\]",
+        ),
+        ({"rollout": {"gpu_memory_utilization": 1.5}}, r"gpu_memory_utilization=1\.5"),
+        ({"rollout": {"gpu_memory_utilization": True}}, r"gpu_memory_utilization=True"),
+        (
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
         ),
@@ -95,8 +110,9 @@ def test_config_is_frozen():
         config.model.num_layers = 3
 
 
-def test_tiny_config_lists_every_field_so_every_field_can_be_overridden():
-    config = load_config_file("tiny_cpu")
+@pytest.mark.parametrize(("name", "variant"), [("tiny_cpu", None), ("qwen3_gpu", "8b")])
+def test_config_files_list_every_field_so_every_field_can_be_overridden(name, variant):
+    config = load_config_file(name, variant)
     sections = typing.get_type_hints(Config)
     for name, cls in sections.items():
         if dataclasses.is_dataclass(cls):

@@ -70,6 +70,7 @@ def test_launch_tiny_cpu_smoke(tmp_path):
             "config: unknown field 'model.hidden'; did you mean 'model.hidden_size'?",
         ),
         ("--config.model.hf_checkpoint=/no/such/dir", "/no/such/dir: not a directory"),
+        ("--config.model.tokenizer=/no/such/dir", "config.model.tokenizer=/no/such/dir: not a"),
     ],
 )
 def test_bad_config_exits_with_one_clear_line(tmp_path, override, message):

@@ -75,11 +75,12 @@ class Fit:
 
 def read_run(workdir: Path) -> dict:
     """What a finished run did (from `run_summary.json` and its logs): wall time, steps,
-    utilisation, idle shares by cause, rewards, switches and its schedule."""
+    utilisation, idle shares by cause, rewards, switches, staleness and its schedule."""
     workdir = Path(workdir)
     summary = json.loads((workdir / "run_summary.json").read_text())
     cell_s = summary.get("cell_s") or {}
     total = sum(cell_s.values()) or 1.0
+    steps = [s for s in read_jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
     return {
         "workdir": str(workdir),
         "wall_s": summary["wall_s"],
@@ -94,6 +95,8 @@ def read_run(workdir: Path) -> dict:
         ),
         "schedule": summary["schedule"],
         "over_stale": summary.get("over_stale", 0),
+        "staleness_max": max((s["staleness_max"] for s in steps), default=0.0),
+        "staleness_mean": float(np.mean([s["staleness_mean"] for s in steps])) if steps else 0.0,
     }
 
 

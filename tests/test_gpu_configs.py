@@ -1,0 +1,329 @@
+"""configs/qwen3_gpu.py on abstract shapes: published architectures, even layouts, and
+per-device memory that fits an H200 (gyrejax/memory.py), with every figure its docstring
+states rendered again here. Nothing is allocated: `nnx.eval_shape`, `jax.eval_shape` and
+an `AbstractMesh` of one cell stand in for an 8B model and its GPUs."""
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import REPO_ROOT
+from flax import nnx
+
+from gyrejax import memory, preflight
+from gyrejax.config import TRAIN_SHARDING_RULES, ConfigError, ModelConfig, RLConfig, from_dict
+from gyrejax.model.hf_io import model_config_from_hf
+from gyrejax.model.transformer import Transformer
+from gyrejax.rl.objective import MICRO_STEP_FIELDS, micro_step_loss
+
+VARIANTS = ("0.6b", "1.7b", "4b", "8b", "qwen25_7b")
+
+_QWEN3_JSON = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+# The published config.json of each checkpoint (the fields load_hf reads), from
+# huggingface.co/Qwen/<name>/blob/main/config.json, and the model card's parameter
+# counts in billions: (total, without embeddings).
+PUBLISHED = {
+    "0.6b": (
+        dict(_QWEN3_JSON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+        ("0.6", "0.44"),
+    ),
+    "1.7b": (
+        dict(_QWEN3_JSON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+        ("1.7", "1.4"),
+    ),
+    "4b": (
+        dict(_QWEN3_JSON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+        ("4.0", "3.6"),
+    ),
+    "8b": (
+        dict(_QWEN3_JSON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+        ("8.2", "6.95"),
+    ),
+    "qwen25_7b": (  # Qwen2.5-7B-Instruct
+        {
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+            "intermediate_size": 18944, "max_position_embeddings": 32768,
+            "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
+            "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+            "sliding_window": 131072, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152064,
+        },
+        ("7.61", "6.53"),
+    ),
+}  # fmt: skip
+
+
+@functools.cache
+def config_module():
+    spec = importlib.util.spec_from_file_location("qwen3_gpu", REPO_ROOT / "configs/qwen3_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpu_config(variant: str, **changes):
+    """The variant's Config with a checkpoint path set (it need not exist: nothing reads
+    it here) and `changes` as {"section.field": value}."""
+    c = config_module().get_config(variant)
+    c.model.hf_checkpoint = f"/models/{variant}"
+    for path, value in changes.items():
+        section, name = path.split(".")
+        c[section][name] = value
+    return from_dict(c)
+
+
+def memory_of(config) -> memory.Estimate:
+    """`config`'s per-device memory on the device the config file names."""
+    return memory.estimate(config, hbm_bytes=config_module().DEVICE_MEMORY_BYTES)
+
+
+@functools.cache
+def estimate(variant: str) -> memory.Estimate:
+    return memory_of(gpu_config(variant))
+
+
+def test_variants_are_the_config_files():
+    assert config_module().VARIANTS == VARIANTS
+    with pytest.raises(ValueError, match=r"variant 'nope'; pick one of 0\.6b, 1\.7b, 4b, 8b"):
+        config_module().get_config("nope")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_architecture_is_what_load_hf_reads_from_the_published_checkpoint(variant):
+    config = gpu_config(variant)
+    hf, (total_b, non_embedding_b) = PUBLISHED[variant]
+    # The overrides run.build_model passes to load_hf; the rest comes from config.json.
+    loaded = model_config_from_hf(
+        hf,
+        "config.json",
+        dtype=config.model.dtype,
+        attention=config.model.attention,
+        attention_block_size=config.model.attention_block_size,
+    )
+    runtime_only = dict(hf_checkpoint=f"/models/{variant}", tokenizer=f"/models/{variant}")
+    assert dataclasses.replace(loaded, **runtime_only) == config.model
+    assert config.model.dtype == "bfloat16"
+    # The model card's counts, to the digits it gives them.
+    m = config.model
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+    for published, ours in ((total_b, m.num_params), (non_embedding_b, m.num_params - embeddings)):
+        digits = len(published.split(".")[1])
+        assert abs(ours / 1e9 - float(published)) < 10**-digits, (published, ours)
+
+
+def test_checkpoint_is_required_and_the_tokenizer_follows_it():
+    raw = config_module().get_config("8b")
+    with pytest.raises(ConfigError) as error:
+        from_dict(raw)
+    assert str(error.value) == (
+        "config.model.hf_checkpoint=None: required, not set (pass --config.model.hf_checkpoint=...)"
+    )
+    config = gpu_config("8b")
+    assert config.model.tokenizer == config.model.hf_checkpoint == "/models/8b"
+    assert config.harness.sandbox == "bwrap"
+    assert config.cells.num_cpu_devices == 0
+
+
+def test_tokenizer_is_overridden_on_its_own():
+    """`--config.model.tokenizer=DIR` sets the tokenizer only: the checkpoint stays."""
+    raw = config_module().get_config("4b")
+    raw.model.hf_checkpoint = "/models/4b"
+    raw.model.tokenizer = "/tokenizers/qwen3"
+    config = from_dict(raw)
+    assert config.model.hf_checkpoint == "/models/4b"
+    assert config.model.tokenizer == "/tokenizers/qwen3"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_host_of_8_gpus_splits_into_cells(variant):
+    """The cell shape leaves a core and at least one satellite on one 8-GPU host, and the
+    checks launch runs once it knows the device count pass."""
+    config = gpu_config(variant)
+    assert 8 % config.cells.size == 0 and 8 // config.cells.size >= 2
+    preflight.check_devices(config, 8)
+
+
+def test_launch_without_a_checkpoint_exits_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "gyrejax.launch", "--config", "configs/qwen3_gpu.py:0.6b",
+         "--workdir", str(tmp_path)],
+        cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "gyrejax.launch: config.model.hf_checkpoint=None: required, not set "
+        "(pass --config.model.hf_checkpoint=...)"
+    )
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_parameter_shards_evenly_on_the_cell(variant):
+    config = gpu_config(variant)
+    mesh = memory.cell_mesh(config.cells)
+    assert mesh.size == config.cells.size
+    state = memory.abstract_state(config.model)
+    for rules in (config.train.sharding_rules, config.rollout.sharding_rules):
+        assert memory.uneven_shardings(state, mesh, rules) == []
+    assert config.train.rows_per_micro_step % config.cells.fsdp == 0
+
+
+def test_an_uneven_layout_is_named():
+    model = gpu_config("qwen25_7b").model  # 4 kv heads, 28 query heads
+    mesh = jax.sharding.AbstractMesh((1, 8), ("fsdp", "tensor"))
+    problems = memory.uneven_shardings(memory.abstract_state(model), mesh, TRAIN_SHARDING_RULES)
+    assert "blocks.0.attn.k: dimension 1 (kv_heads=4) is not divisible by tensor=8" in problems
+    assert "blocks.0.attn.q: dimension 1 (heads=28) is not divisible by tensor=8" in problems
+    est = memory_of(gpu_config("qwen25_7b", **{"cells.size": 8, "cells.tensor": 8}))
+    assert any("kv_heads=4" in p for p in est.problems)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_fits_an_h200_and_the_docstring_shows_its_figures(variant):
+    config, est = gpu_config(variant), estimate(variant)
+    assert est.hbm_bytes == config_module().DEVICE_MEMORY_BYTES == memory.H200_BYTES == 141e9
+    assert est.problems == ()
+    assert est.training.total <= est.limit == int(0.9 * 141e9)
+    # The docstring's tables, rendered from the config: no figure is copied by hand.
+    doc = config_module().__doc__
+    assert memory.TRAINING_HEADER in doc and memory.ROLLOUT_HEADER in doc
+    assert memory.training_row(variant, config, est) in doc
+    assert memory.rollout_row(variant, est) in doc
+    # One row per device per micro-step.
+    assert est.training.rows == 1
+    assert config.rollout.max_seq_len == config.train.row_length
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_layout_is_the_smallest_cell_for_the_longest_row(variant):
+    """The docstring's rule: the longest row (32768, else 16384) on the smallest cell of
+    at most 4 GPUs that holds it, also with float32 master weights."""
+    config, est = gpu_config(variant), estimate(variant)
+    fits = lambda e: not e.problems and e.training.float32_master_total <= e.limit
+    assert fits(est) and config.cells.size <= 4
+    fsdp, tensor, row = config.cells.fsdp, config.cells.tensor, config.train.row_length
+    if tensor > 1:
+        smaller = {"cells.size": fsdp * tensor // 2, "cells.tensor": tensor // 2}
+        assert not fits(memory_of(gpu_config(variant, **smaller)))
+    if row < 32768:
+        longer = {"train.row_length": 32768, "rollout.max_seq_len": 32768}
+        assert not fits(memory_of(gpu_config(variant, **longer)))
+
+
+def test_too_small_cells_and_long_rows_are_reported_with_the_numbers():
+    one_gpu = gpu_config("8b", **{"cells.size": 1, "cells.tensor": 1})
+    est = memory_of(one_gpu)
+    t = est.training
+    assert t.total > est.limit
+    assert (
+        f"training needs {memory.gb(t.total)} GB per device, above 126.9 GB (90% of 141.0 GB): "
+        f"parameters {memory.gb(t.params)}, gradients {memory.gb(t.gradients)}, accumulator "
+        f"{memory.gb(t.accumulator)}, optimizer {memory.gb(t.optimizer)}, activations "
+        f"{memory.gb(t.activations)} (1 row(s) of {memory.gb(t.activations_per_row)}), "
+        f"logits {memory.gb(t.logits)}"
+    ) in est.problems
+    # The docstring's claims about 32768-token rows.
+    rows_32k = {"train.row_length": 32768, "rollout.max_seq_len": 32768}
+    whole_host = {"cells.size": 8, "cells.tensor": 8}
+    assert memory_of(gpu_config("4b", **rows_32k)).problems
+    assert not memory_of(gpu_config("4b", **rows_32k, **whole_host)).problems
+    assert memory_of(gpu_config("8b", **rows_32k, **whole_host)).problems
+    two_by_four = {
+        "cells.size": 8,
+        "cells.fsdp": 2,
+        "cells.tensor": 4,
+        "train.rows_per_micro_step": 2,
+    }
+    assert memory_of(gpu_config("qwen25_7b", **rows_32k, **two_by_four)).problems
+
+
+def test_rollout_beyond_its_share_is_reported():
+    est = estimate("8b")
+    slots = est.rollout.max_slots + 1
+    over = memory_of(gpu_config("8b", **{"rollout.max_slots": slots}))
+    assert over.problems == (
+        f"rollout needs {memory.gb(over.rollout.total)} GB per device (weights 4.1, KV "
+        f"{memory.gb(over.rollout.kv)} for {slots} slots of 0.6), above its share 119.8 GB "
+        f"(rollout.gpu_memory_utilization=0.85); {slots - 1} slots would fit",
+    )
+    # The core keeps the trainer's weights and optimizer state beside the engine.
+    whole = memory_of(gpu_config("8b", **{"rollout.gpu_memory_utilization": 1.0}))
+    assert whole.problems == (
+        f"on the core cell the engine's share 141.0 GB plus the trainer's parameters and "
+        f"optimizer state {memory.gb(est.training.resident)} GB exceed the device's 141.0 GB",
+    )
+
+
+def test_trainer_keeps_bfloat16_weights_and_moments():
+    """What the docstring says the trainer keeps: moments in the parameter dtype (so
+    optimizer state is twice the parameters, plus a step counter), and why that is a
+    limit: a 1e-6 update of a 0.02 weight is lost in bfloat16, not in float32."""
+    t = estimate("0.6b").training
+    assert 0 <= t.optimizer - 2 * t.params < 1024
+    assert t.accumulator == 2 * t.params  # float32 vs bfloat16
+    weight, update = jnp.asarray(0.02, jnp.bfloat16), jnp.asarray(1e-6, jnp.bfloat16)
+    assert weight + update == weight
+    assert jnp.asarray(0.02, jnp.float32) + 1e-6 != jnp.asarray(0.02, jnp.float32)
+
+
+def _residual_bytes(model: ModelConfig, length: int) -> int:
+    """Bytes of every residual JAX's autodiff keeps for the micro-step loss of one row
+    (parameters included: they cancel in the differences below)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    dtypes = dict.fromkeys(MICRO_STEP_FIELDS, jnp.int32)
+    dtypes.update(loss_weight=jnp.float32, advantage=jnp.float32, behavior_logprob=jnp.float32)
+    rows = {f: jax.ShapeDtypeStruct((1, length), dtypes[f]) for f in MICRO_STEP_FIELDS}
+
+    def backward(params, rows):
+        loss = lambda p: micro_step_loss(nnx.merge(graphdef, p), rows, RLConfig(), 0)[0]
+        return jax.vjp(loss, params)[1]  # a closure over the residuals
+
+    residuals = jax.tree.leaves(jax.eval_shape(backward, params, rows))
+    return sum(r.size * r.dtype.itemsize for r in residuals)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kept_bytes_equal_the_residuals_jax_keeps(variant):
+    """The activation term's per-token count equals what autodiff saves for the real
+    loss at the variant's widths (1 and 2 layers, 2 lengths: parameters and per-row
+    constants cancel in the differences)."""
+    model = dataclasses.replace(gpu_config(variant).model, attention_block_size=16)
+    short, long = 32, 64
+    kept = {
+        (layers, length): _residual_bytes(dataclasses.replace(model, num_layers=layers), length)
+        for layers in (1, 2)
+        for length in (short, long)
+    }
+    per_layer = (kept[2, long] - kept[1, long] - kept[2, short] + kept[1, short]) / (long - short)
+    assert per_layer == memory.kept_bytes_per_token_per_layer(model)
+    # The head keeps one float32 copy of the logits and its hidden-width tensors; the
+    # estimate adds the forward logits and their cotangent as two more copies.
+    head = (kept[1, long] - kept[1, short]) / (long - short) - per_layer
+    two_copies = 2 * 4 * model.vocab_size
+    assert 0 <= memory.head_bytes_per_token(model) - two_copies - head <= 64
