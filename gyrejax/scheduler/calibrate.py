@@ -95,8 +95,9 @@ def read_run(workdir: Path) -> dict:
         ),
         "schedule": summary["schedule"],
         "over_stale": summary.get("over_stale", 0),
-        "staleness_max": max((s["staleness_max"] for s in steps), default=0.0),
-        "staleness_mean": float(np.mean([s["staleness_mean"] for s in steps])) if steps else 0.0,
+        # (simulated logs, write_run_logs, carry no staleness: 0)
+        "staleness_max": max((s.get("staleness_max", 0.0) for s in steps), default=0.0),
+        "staleness_mean": float(np.mean([s.get("staleness_mean", 0.0) for s in steps] or [0.0])),
     }
 
 
