@@ -42,10 +42,12 @@ SANDBOXES = ("auto", "bwrap", "python_guard")
 ShardingRules = tuple[tuple[str, str | None], ...]
 
 # Training: parameters FSDP-sharded over `fsdp`, heads/mlp/vocab over `tensor`; rows of
-# a micro-step split over `fsdp`.
+# a micro-step split over `fsdp`, and each row's length over `sequence` (context
+# parallelism; a mesh has that axis only when cells.sequence > 1, and without it the
+# rule leaves rows whole).
 TRAIN_SHARDING_RULES: ShardingRules = (
     ("batch", "fsdp"),
-    ("length", None),
+    ("length", "sequence"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
