@@ -235,7 +235,9 @@ def _finish(state):
     return out, m + jnp.log(denom)
 
 
-def _attend_bwd(q, do, lse, delta, k, v, ends, q_offset, k_offset, grads, block, **opts):
+def _attend_bwd(
+    q, do, lse, delta, k, v, ends, q_offset, k_offset, grads, block, *, valid=True, send=None
+):
     """Adds one (query range, key range) pair's gradient contributions.
 
     Key-major (FlashAttention-2's order): each key block's dK/dV is complete after one
@@ -248,14 +250,14 @@ def _attend_bwd(q, do, lse, delta, k, v, ends, q_offset, k_offset, grads, block,
       k, v: [B, Lk, KV, D] keys and values (global rows from k_offset).
       ends: int32[B, Lk].
       grads: (dq float32[B, Lq, KV, G, D], dk, dv float32[B, Lk, KV, D]) so far.
-      opts: `valid` (bool; False skips every block) and `send` (applied to each key
-        block's (dk, dv) [B, bk, KV, D] before they are added to dk, dv; the ring sends
-        them to the device that owns the key shard, which adds them to its own).
+      valid: bool; False skips every block (a ring step with nothing to attend).
+      send: None, or applied to each key block's (dk, dv) [B, bk, KV, D] before they are
+        added to dk, dv (the ring sends them to the device that owns the key shard,
+        which adds them to its own).
 
     Returns:
       (dq, dk, dv) with this pair's contributions added.
     """
-    valid, send = opts.get("valid", True), opts.get("send")
     scale = q.shape[-1] ** -0.5
     nq, nk = q.shape[1] // block, k.shape[1] // block
     live = _block_live(ends, q_offset, k_offset, nq, block) & valid
