@@ -46,6 +46,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.cells.size = 2
     c.cells.fsdp = 2
     c.cells.tensor = 1
+    c.cells.sequence = 1  # > 1: rows split over a `sequence` axis (context parallelism)
 
     # Model: Qwen3-style (q/k norm, tied embeddings), ~0.3M parameters: small enough to
     # learn the task pool in a few CPU minutes. head_dim 64 (vLLM's CPU attention needs it).

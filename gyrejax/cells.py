@@ -1,7 +1,9 @@
 """Cells: fixed groups of devices that switch between rollout and training as a unit.
 
 The devices are split, in order, into K cells of equal size; each cell has its own
-(fsdp x tensor) mesh, so every model-parallel group lies inside one cell. Cell 0 is the
+(fsdp x tensor) mesh, x sequence when `cells.sequence > 1` (a packed row's length split
+over it: context-parallel tree attention), so every model-parallel group lies inside one
+cell. Cell 0 is the
 core cell (authoritative weights, the only optimizer state); the others are satellites.
 """
 
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 
 import jax
 
-from gyrejax.config import MESH_AXES, CellsConfig, ConfigError
+from gyrejax.config import CellsConfig, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +24,8 @@ class Cell:
     Attributes:
       index: position in the fixed cell order; 0 is the core cell.
       devices: the cell's devices, in mesh order.
-      mesh: `jax.sharding.Mesh` over `devices` with axes ("fsdp", "tensor").
+      mesh: `jax.sharding.Mesh` over `devices` with axes ("fsdp", "tensor"), and
+        "sequence" when the config has one (`CellsConfig.mesh_shape`).
     """
 
     index: int
@@ -56,10 +59,11 @@ def split_into_cells(
     for index in range(len(devices) // config.size):
         group = devices[index * config.size : (index + 1) * config.size]
         # Auto axes: GSPMD propagates shardings from parameters and inputs.
+        shape = config.mesh_shape
         mesh = jax.make_mesh(
-            (config.fsdp, config.tensor),
-            MESH_AXES,
-            axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+            tuple(shape.values()),
+            tuple(shape),
+            axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
             devices=group,
         )
         cells.append(Cell(index=index, devices=tuple(group), mesh=mesh))

@@ -44,10 +44,12 @@ BYTE_TOKENIZER = "bytes"
 ShardingRules = tuple[tuple[str, str | None], ...]
 
 # Training: parameters FSDP-sharded over `fsdp`, heads/mlp/vocab over `tensor`; rows of
-# a micro-step split over `fsdp`.
+# a micro-step split over `fsdp`, and each row's length over `sequence` (context
+# parallelism; a mesh has that axis only when cells.sequence > 1, and without it the
+# rule leaves rows whole).
 TRAIN_SHARDING_RULES: ShardingRules = (
     ("batch", "fsdp"),
-    ("length", None),
+    ("length", "sequence"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
@@ -196,15 +198,19 @@ class CellsConfig:
     size: int = 1  # devices per cell; every model-parallel group lies inside one cell.
     fsdp: int = 1
     tensor: int = 1
+    # Devices a packed row's length is split over (context-parallel tree attention); the
+    # cell's mesh gets a `sequence` axis when > 1.
+    sequence: int = 1
 
     def __post_init__(self):
         _non_negative("cells", self, "num_cpu_devices")
-        _positive("cells", self, "size", "fsdp", "tensor")
-        if self.fsdp * self.tensor != self.size:
+        _positive("cells", self, "size", "fsdp", "tensor", "sequence")
+        if self.fsdp * self.tensor * self.sequence != self.size:
             _fail(
                 "cells.size",
                 self.size,
-                f"must equal cells.fsdp * cells.tensor = {self.fsdp} * {self.tensor}",
+                "must equal cells.fsdp * cells.tensor * cells.sequence = "
+                f"{self.fsdp} * {self.tensor} * {self.sequence}",
             )
         if self.num_cpu_devices and self.num_cpu_devices % self.size:
             _fail(
@@ -213,8 +219,19 @@ class CellsConfig:
                 f"must divide the device count cells.num_cpu_devices={self.num_cpu_devices}",
             )
 
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Each cell's mesh axes and sizes: fsdp x tensor, and x sequence when > 1 (so a
+        cell without context parallelism keeps the two-axis mesh it always had)."""
+        shape = {"fsdp": self.fsdp, "tensor": self.tensor}
+        if self.sequence > 1:
+            shape["sequence"] = self.sequence
+        return shape
 
-MESH_AXES = ("fsdp", "tensor")
+
+# Every mesh axis a rule may name. A cell's mesh has the first two always and
+# `sequence` when cells.sequence > 1 (`CellsConfig.mesh_shape`).
+MESH_AXES = ("fsdp", "tensor", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Tree attention: blocked == dense, values and gradients, against a NumPy reference."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,3 +127,156 @@ def test_decode_attention_matches_dense_over_valid_prefix():
         qs[0, n - 1] = q[s]
         ref = numpy_tree_attention(qs, k[s : s + 1, :n], v[s : s + 1, :n], ends)[0, n - 1]
         np.testing.assert_allclose(out[s], ref, atol=1e-5)
+
+
+# --- context parallel: rows split over a `sequence` mesh axis -------------------------
+
+
+def packed_row(rng, length, max_tree, long_tree=0, padding=0, shard=None):
+    """subtree_end int32[length] of a packed row: a first tree of `long_tree` tokens under
+    one root (if any), then random forests of up to `max_tree` tokens (none crossing a
+    multiple of `shard`, if given), then `padding` tokens that see only themselves."""
+    ends = np.arange(1, length + 1)
+    if long_tree:
+        ends[:long_tree] = random_forest_subtree_end(rng, long_tree)
+        ends[0] = long_tree
+    start, body_end = long_tree, length - padding
+    while start < body_end:
+        size = min(int(rng.integers(1, max_tree + 1)), body_end - start)
+        if shard:
+            size = min(size, shard - start % shard)
+        ends[start : start + size] = start + random_forest_subtree_end(rng, size)
+        start += size
+    return ends.astype(np.int32)
+
+
+def ring_hops(ends, shards):
+    """Ring steps that move K/V: the most shards any key's subtree reaches past its own."""
+    per_shard = ends.shape[-1] // shards
+    own = np.arange(ends.shape[-1]) // per_shard
+    return int(((ends - 1) // per_shard - own).max())
+
+
+def sequence_mesh(shape=(8,), names=("sequence",)):
+    count = int(np.prod(shape))
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, auto, devices=jax.devices()[:count])
+
+
+BLOCK = 8  # block length of every equality test below
+
+
+def blocked(q, k, v, ends):
+    return attention.blocked_tree_attention(q, k, v, ends, BLOCK)
+
+
+def ring(q, k, v, ends, *, layout):
+    return attention.context_parallel_tree_attention(q, k, v, ends, layout, BLOCK)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def out_and_grads(attend, q, k, v, ends, weights):
+    """attend(q, k, v, ends) and the gradients of sum(attend * weights) w.r.t. q, k, v.
+
+    Jitted once per `attend` and shape, so the single-device references compile once
+    for all the tests that share a shape."""
+
+    def loss(q, k, v):
+        out = attend(q, k, v, ends)
+        return jnp.sum(out * weights), out
+
+    (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+def assert_ring_equals_blocked(q, k, v, ends, layout):
+    """Forward and q/k/v gradients of the ring equal the single-device blocked attention
+    and the dense reference within 1e-5."""
+    weights = np.random.default_rng(9).standard_normal(q.shape).astype(np.float32)
+    args = tuple(map(jnp.asarray, (q, k, v, ends, weights)))
+    got = out_and_grads(functools.partial(ring, layout=layout), *args)
+    for reference in (blocked, attention.dense_tree_attention):
+        want = out_and_grads(reference, *args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_context_parallel_equals_blocked(shards):
+    """Rows of several trees plus padding, and a row whose first tree spans most of it
+    (so K/V travel the whole ring), split over 2, 4 and 8 devices."""
+    rng = np.random.default_rng(shards)
+    q, k, v, _ = make_inputs(10 + shards, length=128)
+    ends = np.stack(
+        [
+            packed_row(rng, 128, max_tree=40, padding=16),
+            packed_row(rng, 128, max_tree=3, long_tree=114, padding=10),
+        ]
+    )
+    assert ring_hops(ends, shards) == shards - 1
+    layout = attention.SequenceLayout(sequence_mesh((shards,)))
+    assert_ring_equals_blocked(q, k, v, ends, layout)
+
+
+@pytest.mark.parametrize(("shards", "hops"), [(4, 0), (8, 1)])
+def test_context_parallel_skips_steps_past_the_trees_reach(shards, hops):
+    """Rows of short trees: K/V need to travel `hops` shards at most, and the ring skips
+    every later step (compute and transfers) with the same result."""
+    rng = np.random.default_rng(20 + shards)
+    q, k, v, _ = make_inputs(30 + shards, length=128)
+    per_shard = 128 // shards
+    if hops == 0:  # every tree inside one shard
+        rows = [packed_row(rng, 128, max_tree=10, padding=5, shard=per_shard) for _ in range(2)]
+    else:
+        rows = [packed_row(rng, 128, max_tree=per_shard, padding=7) for _ in range(2)]
+    ends = np.stack(rows)
+    assert ring_hops(ends, shards) == hops
+    layout = attention.SequenceLayout(sequence_mesh((shards,)))
+    assert_ring_equals_blocked(q, k, v, ends, layout)
+
+
+def test_context_parallel_with_batch_and_heads_sharded_too():
+    """A (fsdp 2 x tensor 2 x sequence 2) mesh: rows over fsdp, heads over tensor."""
+    rng = np.random.default_rng(40)
+    q, k, v, _ = make_inputs(41, length=128)
+    ends = np.stack([packed_row(rng, 128, max_tree=60, padding=12) for _ in range(2)])
+    mesh = sequence_mesh((2, 2, 2), ("fsdp", "tensor", "sequence"))
+    layout = attention.SequenceLayout(mesh, batch="fsdp", heads="tensor")
+    assert_ring_equals_blocked(q, k, v, ends, layout)
+
+
+def test_context_parallel_pads_rows_the_shards_do_not_divide():
+    rng = np.random.default_rng(50)
+    q, k, v, _ = make_inputs(51, length=100)
+    ends = np.stack([packed_row(rng, 100, max_tree=30, long_tree=60, padding=9)] * 2)
+    layout = attention.SequenceLayout(sequence_mesh((4,)))
+    assert_ring_equals_blocked(q, k, v, ends, layout)
+
+
+def test_context_parallel_never_builds_a_row_by_row_tensor():
+    """Forward + backward compiled for 4 shards of a 4096-token row: no array in the
+    program has (L / 4)^2 elements, let alone L^2, and the temporary memory per device
+    is less than one float32 [L / 4, L / 4] tensor."""
+    length, shards, block = 4096, 4, 128
+    mesh = sequence_mesh((shards,))
+    layout = attention.SequenceLayout(mesh)
+    row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype, sharding=row)
+    q, kv = shape(1, length, 4, 8), shape(1, length, 2, 8)
+
+    def loss(q, k, v, ends, weights):
+        out = attention.context_parallel_tree_attention(q, k, v, ends, layout, block)
+        return jnp.sum(out * weights)
+
+    compiled = (
+        jax.jit(jax.grad(loss, (0, 1, 2)))
+        .lower(q, kv, kv, shape(1, length, dtype=jnp.int32), q)
+        .compile()
+    )
+    per_shard = length // shards
+    sizes = [
+        int(np.prod([int(n) for n in dims.split(",") if n]))
+        for dims in re.findall(r"(?:f32|s32|pred)\[([0-9,]*)\]", compiled.as_text())
+    ]
+    assert max(sizes) < per_shard * per_shard
+    assert compiled.memory_analysis().temp_size_in_bytes < per_shard * per_shard * 4

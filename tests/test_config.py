@@ -42,6 +42,16 @@ def test_values_are_coerced_to_field_types():
         ({"model": {"qk_norm": 1}}, r"config\.model\.qk_norm=1: expected true or false"),
         ({"cells": {"size": 3, "fsdp": 3, "num_cpu_devices": 8}}, r"must divide the device count"),
         ({"cells": {"size": 2, "fsdp": 1, "tensor": 1}}, r"config\.cells\.size=2: must equal"),
+        (
+            {"cells": {"size": 8, "fsdp": 2, "tensor": 1, "sequence": 2}},
+            r"^config\.cells\.size=8: must equal cells\.fsdp \* cells\.tensor \* cells\.sequence "
+            r"= 2 \* 1 \* 2$",
+        ),
+        (
+            {"cells": {"size": 2, "sequence": 0}},
+            r"^config\.cells\.sequence=0: expected a positive integer$",
+        ),
+        ({"cells": {"sequence": "4"}}, r"^config\.cells\.sequence='4': expected an integer$"),
         ({"rl": {"loss": "dpo"}}, r"config\.rl\.loss='dpo': expected one of ppo, grpo"),
         ({"rl": {"advantage": "gae"}}, r"config\.rl\.advantage='gae'"),
         ({"scheduler": {"policy": "random"}}, r"config\.scheduler\.policy='random'"),

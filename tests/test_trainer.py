@@ -358,3 +358,22 @@ def test_a_missing_or_damaged_weights_snapshot_is_one_clear_error(tmp_path):
     with pytest.raises(CheckpointError) as error:
         restore_weights(path, target)
     assert "\n" not in str(error.value) and str(error.value).startswith(f"weights snapshot {path}")
+
+
+def test_a_cell_with_a_sequence_axis_gives_the_same_step():
+    """Rows split over a `sequence` axis of the cell (context-parallel tree attention,
+    chosen by the train rules; the trainer is unchanged) give one plain cell's loss and
+    gradient norm. Parameters are not compared: Adam's first step divides by |g|, so an
+    embedding row with a near-zero gradient moves by float-order noise x lr / |g|, which
+    any change of layout shows (a tensor-parallel cell too); per-parameter gradients on
+    a sequence mesh are checked in test_sharding.py."""
+    model = dataclasses.replace(MODEL, attention="blocked", attention_block_size=32)
+    batch = make_batch(4)
+    plain = ElasticTrainer(init_model(model), cells()[0], rl=RLConfig(), train=TRAIN)
+    want = plain.train_step(batch)
+    cell = split_into_cells(CellsConfig(size=4, fsdp=2, tensor=1, sequence=2))[0]
+    split = ElasticTrainer(init_model(model), cell, rl=RLConfig(), train=TRAIN)
+    got = split.train_step(batch)
+    assert not got.skipped and got.metrics["tokens"] == want.metrics["tokens"]
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got.metrics[name], want.metrics[name], rtol=1e-5)

@@ -5,12 +5,16 @@ Tree mask (DESIGN.md, Packing): key k is visible to query q iff
 separate trees in one row never see each other. An ordinary causal sequence is the
 special case `subtree_end = length`.
 
-Two implementations with equal outputs:
+Three implementations with equal outputs:
   * `dense_tree_attention`: builds the [L, L] mask; the reference.
   * `blocked_tree_attention`: online softmax over key blocks with a hand-written
     backward pass (flash-attention style); memory O(L * block), never an [L, L] tensor,
     and blocks that the mask hides entirely (above the diagonal, or keys whose subtrees
     end before the query block) are skipped in both passes.
+  * `context_parallel_tree_attention`: the blocked attention over rows split over a
+    mesh axis (`sequence`): K/V shards travel a ring (`ppermute` in a `shard_map`), the
+    mask is applied on global row indices, the backward pass runs the same ring, and
+    transfers the mask makes useless are skipped; memory per device O(L / S).
 
 Shapes: q float[B, L, H, D]; k, v float[B, L, KV, D] with H a multiple of KV (grouped
 query attention); subtree_end int32[B, L]. Scores and softmax are float32.
@@ -18,10 +22,12 @@ query attention); subtree_end int32[B, L]. Scores and softmax are float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 _NEG = -1e30  # finite "minus infinity": keeps exp() and max() free of inf - inf.
 
@@ -87,160 +93,478 @@ def blocked_tree_attention(
     block = min(block_size, length)
     padded = -(-length // block) * block
     if padded != length:
-        extra = padded - length
-        pad = ((0, 0), (0, extra), (0, 0), (0, 0))
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-        # Padding keys see only themselves, so real queries never read them.
-        tail = jnp.arange(length, padded, dtype=subtree_end.dtype) + 1
-        subtree_end = jnp.concatenate([subtree_end, jnp.broadcast_to(tail, (b, extra))], axis=1)
+        q, k, v, subtree_end = _pad_rows(q, k, v, subtree_end, padded)
     out = _blocked(_group(q, k.shape[2]), k, v, subtree_end.astype(jnp.int32), block)
     return out.reshape(b, padded, h, d)[:, :length].astype(q.dtype)
 
 
-def _block_live(subtree_end: jax.Array, block: int) -> jax.Array:
-    """bool[nq, nk]: some query of block i may see some key of block j (any row)."""
+def _pad_rows(q, k, v, subtree_end, padded: int):
+    """Pads rows at their end to `padded` tokens, with keys that see only themselves (so
+    real queries never read them)."""
     b, length = subtree_end.shape
-    n = length // block
-    starts = jnp.arange(n) * block
-    key_reach = subtree_end.reshape(b, n, block).max(axis=(0, 2))  # [nk]
-    causal = starts[None, :] <= starts[:, None]  # key block not after query block
-    reaches = key_reach[None, :] > starts[:, None]  # some key's subtree reaches block i
+    extra = padded - length
+    pad = ((0, 0), (0, extra), (0, 0), (0, 0))
+    tail = jnp.arange(length, padded, dtype=subtree_end.dtype) + 1
+    ends = jnp.concatenate([subtree_end, jnp.broadcast_to(tail, (b, extra))], axis=1)
+    return jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), ends
+
+
+# --- kernels shared by the single-device and the context-parallel attention -----------
+#
+# Each runs over one (query range, key range) pair: the single-device attention once,
+# with both ranges the whole row; the context-parallel one once per ring step, with the
+# local queries against the key shard that has arrived. Ranges carry their global row
+# offsets, so the tree mask is always applied on global indices. Blocks are cut with
+# dynamic slices of the [B, L, ...] arrays and the running state is updated in place,
+# so no block-major copy of q, k, v or of the state is ever made.
+
+
+def _block_live(ends, q_offset, k_offset, nq: int, block: int) -> jax.Array:
+    """bool[nq, nk]: some query of query block i may see some key of key block j (any row).
+
+    Args:
+      ends: int32[B, Lk], the keys' subtree_end (global row indices).
+      q_offset, k_offset: global row index of the first query / key; multiples of
+        `block`, so query and key blocks lie on one grid and "key block after query
+        block" is a comparison of their starts.
+      nq: number of query blocks.
+      block: block length.
+    """
+    b, length = ends.shape
+    q_starts = q_offset + jnp.arange(nq) * block
+    k_starts = k_offset + jnp.arange(length // block) * block
+    key_reach = ends.reshape(b, length // block, block).max(axis=(0, 2))  # [nk]
+    causal = k_starts[None, :] <= q_starts[:, None]  # key block not after query block
+    reaches = key_reach[None, :] > q_starts[:, None]  # some key's subtree reaches block i
     return causal & reaches
 
 
-def _tile(q_blk, k_blk, subtree_end_blk, i, j, block):
-    """Masked float32 scores of query block i against key block j.
+def _tile(q_blk, k_blk, ends_blk, q_start, k_start):
+    """Masked float32 scores of a query block against a key block.
 
-    Shapes: q_blk [B, bq, KV, G, D], k_blk [B, bk, KV, D], subtree_end_blk [B, bk].
+    Shapes: q_blk [B, bq, KV, G, D], k_blk [B, bk, KV, D], ends_blk [B, bk]; q_start,
+    k_start: global row index of the blocks' first query / key.
     Returns scores [B, KV, G, bq, bk] and mask [B, 1, 1, bq, bk].
     """
     d = q_blk.shape[-1]
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)
-    q_idx = i * block + jnp.arange(block)
-    k_idx = j * block + jnp.arange(block)
-    mask = (k_idx[None, :] <= q_idx[:, None])[None] & (
-        q_idx[None, :, None] < subtree_end_blk[:, None, :]
-    )
+    q_idx = q_start + jnp.arange(q_blk.shape[1])
+    k_idx = k_start + jnp.arange(k_blk.shape[1])
+    mask = (k_idx[None, :] <= q_idx[:, None])[None] & (q_idx[None, :, None] < ends_blk[:, None, :])
     mask = mask[:, None, None]
     return jnp.where(mask, scores, _NEG), mask
 
 
-def _split_blocks(x: jax.Array, block: int) -> jax.Array:
-    """[B, L, ...] -> [L // block, B, block, ...]."""
-    b, length = x.shape[:2]
-    x = x.reshape(b, length // block, block, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
+def _slice(x: jax.Array, index, block: int, axis: int = 1) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
 
 
-def _merge_blocks(x: jax.Array) -> jax.Array:
-    """[n, B, block, ...] -> [B, n * block, ...]."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+def _put(x: jax.Array, update: jax.Array, index, block: int, axis: int = 1) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update, index * block, axis)
 
 
-def _forward(q, k, v, subtree_end, block):
-    """Returns out float32[B, L, KV, G, D] and log-sum-exp float32[B, KV, G, L]."""
-    qs, ks, vs = _split_blocks(q, block), _split_blocks(k, block), _split_blocks(v, block)
-    ends = _split_blocks(subtree_end, block)
-    live = _block_live(subtree_end, block)
-    n = qs.shape[0]
-    b, bq, kv, g, d = qs.shape[1:]
+def _softmax_state(q: jax.Array):
+    """Empty online-softmax state for queries q [B, L, KV, G, D]: running max and
+    denominator float32[B, KV, G, L], accumulator float32[B, KV, G, L, D]."""
+    b, length, kv, g, d = q.shape
+    return (
+        jnp.full((b, kv, g, length), _NEG, jnp.float32),
+        jnp.zeros((b, kv, g, length), jnp.float32),
+        jnp.zeros((b, kv, g, length, d), jnp.float32),
+    )
 
-    def query_block(i):
-        q_blk = qs[i]
 
-        def key_block(carry, j):
-            def update(carry):
-                m, denom, acc = carry
-                scores, mask = _tile(q_blk, ks[j], ends[j], i, j, block)
+def _attend(q, k, v, ends, q_offset, k_offset, state, block: int, valid=True):
+    """Online-softmax update of every query block with every live key block.
+
+    Args:
+      q: [B, Lq, KV, G, D] queries at global rows q_offset ...
+      k, v: [B, Lk, KV, D] keys and values at global rows k_offset ...
+      ends: int32[B, Lk] the keys' subtree_end (global row indices).
+      state: `_softmax_state` of q.
+      valid: bool; False skips every block (a ring step with nothing to attend).
+
+    Returns:
+      The updated state.
+    """
+    nq, nk = q.shape[1] // block, k.shape[1] // block
+    live = _block_live(ends, q_offset, k_offset, nq, block) & valid
+
+    def query_block(state, i):
+        m, denom, acc = state
+        q_blk = _slice(q, i, block)
+        row = (_slice(m, i, block, 3), _slice(denom, i, block, 3), _slice(acc, i, block, 3))
+
+        def key_block(row, j):
+            def update(row):
+                m, denom, acc = row
+                k_blk, v_blk = _slice(k, j, block), _slice(v, j, block)
+                scores, mask = _tile(
+                    q_blk, k_blk, _slice(ends, j, block), q_offset + i * block, k_offset + j * block
+                )
                 m_new = jnp.maximum(m, scores.max(axis=-1))
                 p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
                 denom = denom * corr + p.sum(axis=-1)
-                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vs.dtype), vs[j])
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v_blk)
                 acc = acc * corr[..., None] + pv.astype(jnp.float32)
                 return m_new, denom, acc
 
-            return jax.lax.cond(live[i, j], update, lambda c: c, carry), None
+            return jax.lax.cond(live[i, j], update, lambda r: r, row), None
 
-        init = (
-            jnp.full((b, kv, g, bq), _NEG, jnp.float32),
-            jnp.zeros((b, kv, g, bq), jnp.float32),
-            jnp.zeros((b, kv, g, bq, d), jnp.float32),
+        (m_i, denom_i, acc_i), _ = jax.lax.scan(key_block, row, jnp.arange(nk))
+        state = (
+            _put(m, m_i, i, block, 3),
+            _put(denom, denom_i, i, block, 3),
+            _put(acc, acc_i, i, block, 3),
         )
-        (m, denom, acc), _ = jax.lax.scan(key_block, init, jnp.arange(n))
-        out = acc / denom[..., None]  # [B, KV, G, bq, D]
-        return jnp.moveaxis(out, 3, 1), m + jnp.log(denom)
+        return state, None
 
-    outs, lses = jax.lax.map(query_block, jnp.arange(n))
-    out = _merge_blocks(outs)  # [B, L, KV, G, D]
-    lse = jnp.moveaxis(lses, 0, 3).reshape(b, kv, g, n * bq)
-    return out, lse
+    state, _ = jax.lax.scan(query_block, state, jnp.arange(nq))
+    return state
+
+
+def _finish(state):
+    """out float32[B, L, KV, G, D] and log-sum-exp float32[B, KV, G, L] from the state.
+
+    Every query sees at least itself (subtree_end[q] > q), so no denominator is zero.
+    """
+    m, denom, acc = state
+    out = jnp.transpose(acc / denom[..., None], (0, 3, 1, 2, 4))
+    return out, m + jnp.log(denom)
+
+
+def _attend_bwd(
+    q, do, lse, delta, k, v, ends, q_offset, k_offset, grads, block, *, valid=True, send=None
+):
+    """Adds one (query range, key range) pair's gradient contributions.
+
+    Key-major (FlashAttention-2's order): each key block's dK/dV is complete after one
+    pass over the query blocks, so it is added (or, in the ring, sent home) at once and
+    never needs a whole-range buffer of partial sums.
+
+    Args:
+      q, do: [B, Lq, KV, G, D] queries and output cotangents (global rows from q_offset).
+      lse, delta: float32[B, KV, G, Lq] log-sum-exp and sum_d dO * O per query.
+      k, v: [B, Lk, KV, D] keys and values (global rows from k_offset).
+      ends: int32[B, Lk].
+      grads: (dq float32[B, Lq, KV, G, D], dk, dv float32[B, Lk, KV, D]) so far.
+      valid: bool; False skips every block (a ring step with nothing to attend).
+      send: None, or applied to each key block's (dk, dv) [B, bk, KV, D] before they are
+        added to dk, dv (the ring sends them to the device that owns the key shard,
+        which adds them to its own).
+
+    Returns:
+      (dq, dk, dv) with this pair's contributions added.
+    """
+    scale = q.shape[-1] ** -0.5
+    nq, nk = q.shape[1] // block, k.shape[1] // block
+    live = _block_live(ends, q_offset, k_offset, nq, block) & valid
+
+    def key_block(grads, j):
+        dq, dk, dv = grads
+        k_blk, v_blk, e_blk = _slice(k, j, block), _slice(v, j, block), _slice(ends, j, block)
+
+        def query_block(inner, i):
+            def update(inner):
+                dq, dk_blk, dv_blk = inner
+                q_blk, do_blk = _slice(q, i, block), _slice(do, i, block)
+                lse_blk, delta_blk = _slice(lse, i, block, 3), _slice(delta, i, block, 3)
+                scores, mask = _tile(
+                    q_blk, k_blk, e_blk, q_offset + i * block, k_offset + j * block
+                )
+                p = jnp.where(mask, jnp.exp(scores - lse_blk[..., None]), 0.0)
+                dv_blk = dv_blk + jnp.einsum("bkgqs,bqkgd->bskd", p, do_blk.astype(jnp.float32))
+                dp = jnp.einsum(
+                    "bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32
+                )
+                ds = p * (dp - delta_blk[..., None]) * scale
+                dq_blk = _slice(dq, i, block) + jnp.einsum(
+                    "bkgqs,bskd->bqkgd", ds, k_blk.astype(jnp.float32)
+                )
+                dk_blk = dk_blk + jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk.astype(jnp.float32))
+                return _put(dq, dq_blk, i, block), dk_blk, dv_blk
+
+            return jax.lax.cond(live[i, j], update, lambda c: c, inner), None
+
+        zeros = jnp.zeros(k_blk.shape, jnp.float32)
+        (dq, dk_blk, dv_blk), _ = jax.lax.scan(query_block, (dq, zeros, zeros), jnp.arange(nq))
+        if send is not None:
+            dk_blk, dv_blk = send((dk_blk, dv_blk))
+        dk = _put(dk, _slice(dk, j, block) + dk_blk, j, block)
+        dv = _put(dv, _slice(dv, j, block) + dv_blk, j, block)
+        return (dq, dk, dv), None
+
+    grads, _ = jax.lax.scan(key_block, grads, jnp.arange(nk))
+    return grads
+
+
+def _zero_grads(q, k):
+    """float32 zeros (dq, dk, dv) for grouped queries q [B, L, KV, G, D] and keys k."""
+    zeros_kv = jnp.zeros(k.shape, jnp.float32)
+    return jnp.zeros(q.shape, jnp.float32), zeros_kv, zeros_kv
+
+
+def _delta(d_out, out):
+    """float32[B, KV, G, L] sum_d dO * O, the softmax-backward correction per query."""
+    return jnp.einsum("blkgd,blkgd->bkgl", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+
+# --- single device -------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _blocked(q, k, v, subtree_end, block):
-    out, _ = _forward(q, k, v, subtree_end, block)
-    return out.astype(q.dtype)
+    return _blocked_fwd(q, k, v, subtree_end, block)[0]
 
 
 def _blocked_fwd(q, k, v, subtree_end, block):
-    out, lse = _forward(q, k, v, subtree_end, block)
+    state = _attend(q, k, v, subtree_end, 0, 0, _softmax_state(q), block)
+    out, lse = _finish(state)
     out = out.astype(q.dtype)
     return out, (q, k, v, subtree_end, out, lse)
 
 
 def _blocked_bwd(block, residuals, d_out):
     q, k, v, subtree_end, out, lse = residuals
-    d = q.shape[-1]
-    scale = d**-0.5
-    # delta_q = sum_d dO * O: the softmax-backward correction per query.
-    delta = jnp.einsum("blkgd,blkgd->bkgl", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    qs, ks, vs = _split_blocks(q, block), _split_blocks(k, block), _split_blocks(v, block)
-    d_outs, ends = _split_blocks(d_out, block), _split_blocks(subtree_end, block)
-    n = qs.shape[0]
-    b, bq, kv, g, _ = qs.shape[1:]
-    lse_blocks = jnp.moveaxis(lse.reshape(b, kv, g, n, bq), 3, 0)  # [n, B, KV, G, bq]
-    delta_blocks = jnp.moveaxis(delta.reshape(b, kv, g, n, bq), 3, 0)
-    live = _block_live(subtree_end, block)
-
-    def query_block(carry, i):
-        dk_all, dv_all = carry
-        q_blk, do_blk = qs[i], d_outs[i]
-        lse_blk, delta_blk = lse_blocks[i], delta_blocks[i]
-
-        def key_block(inner, j):
-            def update(inner):
-                dq, dk_all, dv_all = inner
-                scores, mask = _tile(q_blk, ks[j], ends[j], i, j, block)
-                p = jnp.where(mask, jnp.exp(scores - lse_blk[..., None]), 0.0)
-                dv = jnp.einsum("bkgqs,bqkgd->bskd", p, do_blk.astype(jnp.float32))
-                dp = jnp.einsum(
-                    "bqkgd,bskd->bkgqs", do_blk, vs[j], preferred_element_type=jnp.float32
-                )
-                ds = p * (dp - delta_blk[..., None]) * scale
-                dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, ks[j].astype(jnp.float32))
-                dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk.astype(jnp.float32))
-                dk_all = dk_all.at[j].add(dk)
-                dv_all = dv_all.at[j].add(dv)
-                return dq, dk_all, dv_all
-
-            return jax.lax.cond(live[i, j], update, lambda c: c, inner), None
-
-        dq0 = jnp.zeros(q_blk.shape, jnp.float32)
-        (dq, dk_all, dv_all), _ = jax.lax.scan(key_block, (dq0, dk_all, dv_all), jnp.arange(n))
-        return (dk_all, dv_all), dq
-
-    zeros_kv = jnp.zeros(ks.shape, jnp.float32)
-    (dk_all, dv_all), dqs = jax.lax.scan(query_block, (zeros_kv, zeros_kv), jnp.arange(n))
-    dq = _merge_blocks(dqs).astype(q.dtype)
-    dk = _merge_blocks(dk_all).astype(k.dtype)
-    dv = _merge_blocks(dv_all).astype(v.dtype)
-    return dq, dk, dv, None
+    delta = _delta(d_out, out)
+    grads = _zero_grads(q, k)
+    dq, dk, dv = _attend_bwd(q, d_out, lse, delta, k, v, subtree_end, 0, 0, grads, block)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+# --- context parallel: a row split over a `sequence` mesh axis ------------------------
+#
+# Ring, not all-gather. Gathering K/V puts the whole row's keys and values on every
+# device (and, in the backward pass, whole-row dK/dV sums before a reduce-scatter), so
+# per-device memory would stay O(L) however many shards there are; the point of the
+# axis is memory falling with the shard count. In the ring a device holds its own shard
+# plus the K/V shard in use and the one arriving: O(L / S). The ring also lets the tree
+# mask save communication, which a gather cannot:
+#   * k <= q, so query shard s needs K/V only from shards t <= s: K/V move forward only
+#     (never S-1 -> 0), and step r sends only the S - r shards someone still needs
+#     (S(S-1)/2 shard transfers in all, not S(S-1));
+#   * a key shard's subtrees reach a contiguous run of later shards, so `hops` (the most
+#     shards any key's subtree reaches past its own, over the mesh) bounds every useful
+#     transfer, and steps past it are skipped whole: a row of many short trees, each
+#     within one or two shards, needs one step however large S is.
+# The backward pass runs the same ring: dq stays home; each key block's dK/dV, complete
+# after one pass over the local queries, goes straight back to the shard that owns it.
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """Where packed rows lie on a mesh, for `context_parallel_tree_attention`.
+
+    Attributes:
+      mesh: the mesh (concrete, or the abstract mesh of `jax.set_mesh`), Auto axes.
+      sequence: the mesh axis the row length is split over.
+      batch: the mesh axis rows are split over, or None.
+      heads: the mesh axis query and key/value heads are split over, or None (it must
+        divide both the query and the key/value heads).
+    """
+
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+    sequence: str = "sequence"
+    batch: str | None = None
+    heads: str | None = None
+
+    @property
+    def shards(self) -> int:
+        return dict(self.mesh.shape)[self.sequence]
+
+
+def context_parallel_tree_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    subtree_end: jax.Array,
+    layout: SequenceLayout,
+    block_size: int = 512,
+) -> jax.Array:
+    """Tree attention over rows split over a mesh axis; equal to `blocked_tree_attention`.
+
+    Each device keeps its shard of queries; K/V shards (with their subtree_end) travel
+    forward around a ring, and the mask `k <= q < subtree_end[k]` is applied on global
+    row indices. The backward pass is hand-written (custom VJP) and runs the same ring.
+    Memory per device O(L / S); no tensor is [L, L] or [L / S, L / S].
+
+    Args:
+      q: float[B, L, H, D].
+      k: float[B, L, KV, D].
+      v: float[B, L, KV, D].
+      subtree_end: int32[B, L], row index one past each key's subtree.
+      layout: the mesh and its axes; S = `layout.shards` shards of the row.
+      block_size: query and key block length within a shard. L is padded at its end
+        (with tokens that see only themselves) to a multiple of S * block, so rows that
+        S * block divides are used as they are.
+
+    Returns:
+      float[B, L, H, D] in q's dtype.
+    """
+    length = q.shape[1]
+    shards = layout.shards
+    per_shard = -(-length // shards)
+    block = min(block_size, per_shard)
+    per_shard = -(-per_shard // block) * block
+    padded = shards * per_shard
+    if padded != length:
+        q, k, v, subtree_end = _pad_rows(q, k, v, subtree_end, padded)
+    out = _ring(q, k, v, subtree_end.astype(jnp.int32), layout, block)
+    return out[:, :length]
+
+
+def _specs(layout: SequenceLayout):
+    """PartitionSpecs of [B, L, heads, D] rows, [B, L] subtree_end, [B, H, L] lse."""
+    row = PartitionSpec(layout.batch, layout.sequence, layout.heads, None)
+    ends = PartitionSpec(layout.batch, layout.sequence)
+    lse = PartitionSpec(layout.batch, layout.heads, layout.sequence)
+    return row, ends, lse
+
+
+def _hops(ends: jax.Array, shard, per_shard: int, layout: SequenceLayout):
+    """The most shards any key's subtree reaches past its own, over the whole mesh.
+
+    Taken over every device, not only this ring, so that a skip is the same everywhere:
+    collectives run under `lax.cond`/`lax.switch` only on a predicate all devices share.
+    """
+    last = (jnp.max(ends) - 1) // per_shard  # subtree_end[k] > k: last >= shard
+    axes = tuple(a for a in (layout.batch, layout.sequence) if a is not None)
+    return jax.lax.pmax(last - shard, axes)
+
+
+def _sends(layout: SequenceLayout, back: bool) -> list:
+    """`lax.switch` branches: branch r sends for ring step r; branch 0 sends nothing.
+
+    Forward (K/V for step r): device i holds the shard of origin i - r + 1, which exists
+    only for i >= r - 1, so devices r - 1 .. S - 2 send one hop on. Back (dK/dV computed
+    at step r, for the shard of origin i - r): device i -> i - r, for i >= r.
+    """
+
+    def send(x, step):
+        if back:
+            perm = [(i, i - step) for i in range(step, layout.shards)]
+        else:
+            perm = [(i, i + 1) for i in range(step - 1, layout.shards - 1)]
+        return jax.lax.ppermute(x, layout.sequence, perm)
+
+    return [lambda x: x] + [functools.partial(send, step=r) for r in range(1, layout.shards)]
+
+
+def _ring_forward(q, k, v, ends, *, layout: SequenceLayout, block: int):
+    """shard_map body: local q [B, Ls, H, D], k/v [B, Ls, KV, D], ends int32[B, Ls]
+    (global indices) -> out [B, Ls, H, D] in q's dtype and lse float32[B, H, Ls]."""
+    b, per_shard, h, d = q.shape
+    shard = jax.lax.axis_index(layout.sequence)
+    q = _group(q, k.shape[2])
+    hops = _hops(ends, shard, per_shard, layout)
+    sends = _sends(layout, back=False)
+    here = shard * per_shard
+
+    state = _attend(q, k, v, ends, here, here, _softmax_state(q), block)  # step 0: own
+
+    # One ring step per loop iteration, not unrolled: the loop carry keeps two K/V shards
+    # alive (in use, arriving). Unrolled, no transfer depends on any compute, so XLA may
+    # run them all first and hold all S shards, an all-gather's memory.
+    def ring_step(carry, r):
+        state, kv = carry
+        # Sent before this step's compute, so the transfer can overlap it.
+        arriving = jax.lax.switch(jnp.where(r + 1 <= hops, r + 1, 0), sends, kv)
+        origin = (shard - r) * per_shard
+        state = _attend(q, *kv, here, origin, state, block, valid=(r <= shard) & (r <= hops))
+        return (state, arriving), None
+
+    if layout.shards > 1:
+        first = jax.lax.switch(jnp.minimum(hops, 1), sends[:2], (k, v, ends))
+        steps = jnp.arange(1, layout.shards)
+        (state, _), _ = jax.lax.scan(ring_step, (state, first), steps)
+    out, lse = _finish(state)
+    return out.reshape(b, per_shard, h, d).astype(q.dtype), lse.reshape(b, h, per_shard)
+
+
+def _ring_backward(q, k, v, ends, out, lse, d_out, *, layout: SequenceLayout, block: int):
+    """shard_map body of the backward pass: dq, dk, dv of the local shard.
+
+    K/V travel forward exactly as in the forward pass; dq accumulates locally; the dK/dV
+    that step r computes for the key shard of origin s - r go straight back to it, a key
+    block at a time (device s -> s - r), and are added to its own.
+    """
+    b, per_shard, h, d = q.shape
+    kv_heads = k.shape[2]
+    shard = jax.lax.axis_index(layout.sequence)
+    q, d_out, out = (_group(x, kv_heads) for x in (q, d_out, out))
+    lse = lse.reshape(b, kv_heads, h // kv_heads, per_shard)
+    delta = _delta(d_out, out)
+    hops = _hops(ends, shard, per_shard, layout)
+    sends, returns = _sends(layout, back=False), _sends(layout, back=True)
+    here = shard * per_shard
+
+    def attend(grads, kv, origin, **opts):
+        return _attend_bwd(q, d_out, lse, delta, *kv, here, origin, grads, block, **opts)
+
+    grads = attend(_zero_grads(q, k), (k, v, ends), here)  # step 0: own
+
+    def ring_step(carry, r):
+        grads, kv = carry
+        arriving = jax.lax.switch(jnp.where(r + 1 <= hops, r + 1, 0), sends, kv)
+        send = lambda blocks: jax.lax.switch(r, returns, blocks)
+
+        def step(grads, kv):
+            origin = (shard - r) * per_shard
+            return attend(grads, kv, origin, valid=r <= shard, send=send)
+
+        # Past `hops` nothing is computed or sent anywhere (the predicate is shared).
+        grads = jax.lax.cond(r <= hops, step, lambda grads, _: grads, grads, kv)
+        return (grads, arriving), None
+
+    if layout.shards > 1:
+        first = jax.lax.switch(jnp.minimum(hops, 1), sends[:2], (k, v, ends))
+        steps = jnp.arange(1, layout.shards)
+        (grads, _), _ = jax.lax.scan(ring_step, (grads, first), steps)
+    dq, dk, dv = grads
+    dq = dq.reshape(b, per_shard, h, d)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, subtree_end, layout, block):
+    return _ring_fwd(q, k, v, subtree_end, layout, block)[0]
+
+
+def _ring_fwd(q, k, v, subtree_end, layout, block):
+    row, ends, lse = _specs(layout)
+    forward = jax.shard_map(
+        functools.partial(_ring_forward, layout=layout, block=block),
+        mesh=layout.mesh,
+        in_specs=(row, row, row, ends),
+        out_specs=(row, lse),
+        check_vma=False,  # see _ring_bwd
+    )
+    out, lse_value = forward(q, k, v, subtree_end)
+    return out, (q, k, v, subtree_end, out, lse_value)
+
+
+def _ring_bwd(layout, block, residuals, d_out):
+    row, ends, lse = _specs(layout)
+    backward = jax.shard_map(
+        functools.partial(_ring_backward, layout=layout, block=block),
+        mesh=layout.mesh,
+        in_specs=(row, row, row, ends, row, lse, row),
+        out_specs=(row, row, row),
+        # The kernels are shared with the single-device attention, whose zero-initialised
+        # states would need casting to "varying" for the check; nothing here is
+        # differentiated by JAX (this is the VJP), so the check would buy nothing.
+        check_vma=False,
+    )
+    dq, dk, dv = backward(*residuals, d_out)
+    return dq, dk, dv, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def decode_attention(

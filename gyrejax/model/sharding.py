@@ -4,7 +4,12 @@ Every parameter carries its logical axes (`nnx.Param(..., logical_axes=("embed",
 activations are constrained with `constrain(x, ("batch", "length", "embed"))`. A rule set
 (`gyrejax.config.TRAIN_SHARDING_RULES`, `SAMPLE_SHARDING_RULES`) maps logical names to
 mesh axes. A dimension that a mesh axis does not divide evenly stays replicated, so tiny
-test models shard on any mesh.
+test models shard on any mesh; so does one whose rule names an axis the mesh lacks (the
+train rules map `length` to `sequence`, which a cell's mesh has only when
+`cells.sequence > 1`).
+
+When the active rules split `length` over a mesh axis of more than one device, the
+blocked attention runs context-parallel over it (`sequence_layout`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from flax import nnx, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gyrejax.config import ShardingRules
+from gyrejax.model.attention import SequenceLayout
 
 _ACTIVE_RULES: contextvars.ContextVar[ShardingRules | None] = contextvars.ContextVar(
     "gyrejax_sharding_rules", default=None
@@ -37,7 +43,7 @@ def logical_to_spec(
       rules: (logical, mesh axis or None) pairs; unnamed logical axes are replicated.
       shape: the array shape; with `mesh_shape`, a dimension the mesh axis does not
         divide is left replicated.
-      mesh_shape: mesh axis name -> size.
+      mesh_shape: mesh axis name -> size; a rule naming an axis not in it is ignored.
 
     Returns:
       A PartitionSpec that uses each mesh axis at most once.
@@ -48,6 +54,8 @@ def logical_to_spec(
     for dim, name in enumerate(logical_axes):
         axis = table.get(name) if name is not None else None
         if axis is not None and axis in used:
+            axis = None
+        if axis is not None and mesh_shape is not None and axis not in mesh_shape:
             axis = None
         if axis is not None and shape is not None and mesh_shape is not None:
             if shape[dim] % mesh_shape[axis]:
@@ -106,3 +114,35 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = logical_to_spec(logical_axes, rules, x.shape, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def sequence_layout(rows: int, heads: int, kv_heads: int) -> SequenceLayout | None:
+    """How packed rows are split for context-parallel attention, under the active rules
+    and mesh; None when `length` is not split over a mesh axis of more than one device.
+
+    Args:
+      rows: rows per batch (split over the `batch` rule's axis when it divides them).
+      heads, kv_heads: query and key/value heads (split over the `heads` rule's axis
+        when `kv_heads` follows the same axis and it divides both).
+    """
+    rules = _ACTIVE_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return None
+    table, sizes = dict(rules), dict(mesh.shape)
+    sequence = table.get("length")
+    if sequence is None or sizes.get(sequence, 1) == 1:
+        return None
+    batch = table.get("batch")
+    if batch not in sizes or batch == sequence or rows % sizes[batch]:
+        batch = None
+    head_axis = table.get("heads")
+    if (
+        head_axis not in sizes
+        or head_axis in (sequence, batch)
+        or table.get("kv_heads") != head_axis
+        or heads % sizes[head_axis]
+        or kv_heads % sizes[head_axis]
+    ):
+        head_axis = None
+    return SequenceLayout(mesh, sequence=sequence, batch=batch, heads=head_axis)

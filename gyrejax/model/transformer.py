@@ -22,7 +22,7 @@ from flax import nnx
 
 from gyrejax.config import ModelConfig
 from gyrejax.model import attention
-from gyrejax.model.sharding import constrain
+from gyrejax.model.sharding import constrain, sequence_layout
 
 _INIT_STDDEV = 0.02  # HF `initializer_range` for Qwen models.
 
@@ -61,6 +61,27 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def tree_attention(
+    config: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, subtree_end: jax.Array
+) -> jax.Array:
+    """The configured tree attention (`config.attention`); float[B, L, H, D].
+
+    Rows whose length the active sharding rules split over a mesh axis (`length` ->
+    `sequence`) run the blocked attention context-parallel over it; otherwise on each
+    device as it is. The dense reference is left to GSPMD either way.
+
+    Args:
+      q: float[B, L, H, D]; k, v: float[B, L, KV, D]; subtree_end: int32[B, L].
+    """
+    if config.attention == "dense":
+        return attention.dense_tree_attention(q, k, v, subtree_end)
+    block = config.attention_block_size
+    layout = sequence_layout(q.shape[0], q.shape[2], k.shape[2])
+    if layout is not None:
+        return attention.context_parallel_tree_attention(q, k, v, subtree_end, layout, block)
+    return attention.blocked_tree_attention(q, k, v, subtree_end, block)
 
 
 class Attention(nnx.Module):
@@ -107,12 +128,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, subtree_end):
         q, k, v = self.project(x, positions)
-        c = self.config
-        if c.attention == "blocked":
-            out = attention.blocked_tree_attention(q, k, v, subtree_end, c.attention_block_size)
-        else:
-            out = attention.dense_tree_attention(q, k, v, subtree_end)
-        return self.output(out)
+        return self.output(tree_attention(self.config, q, k, v, subtree_end))
 
 
 class MLP(nnx.Module):
@@ -246,12 +262,7 @@ class Transformer(nnx.Module):
         for layer, block in enumerate(self.blocks):
             normed = block.attn_norm(x)
             q, k, v = block.attn.project(normed, positions)
-            if self.config.attention == "blocked":
-                out = attention.blocked_tree_attention(
-                    q, k, v, causal_end, self.config.attention_block_size
-                )
-            else:
-                out = attention.dense_tree_attention(q, k, v, causal_end)
+            out = tree_attention(self.config, q, k, v, causal_end)
             x = block.finish(x, block.attn.output(out))
             k_heads = jnp.swapaxes(k, 1, 2).astype(new_k[layer].dtype)  # [B, KV, T, D]
             v_heads = jnp.swapaxes(v, 1, 2).astype(new_v[layer].dtype)
