@@ -20,7 +20,7 @@ from gyrejax.trajectory.buckets import (
     rows_per_micro_step_for,
 )
 from gyrejax.trajectory.microsteps import assign_bucketed_micro_steps, row_costs
-from gyrejax.trajectory.packing import ForestLayout, assemble_rows, plan_rows
+from gyrejax.trajectory.packing import ForestLayout, assemble_rows, plan_rows, strategies
 from gyrejax.trajectory.records import (
     Execution,
     check_token_range,
@@ -333,7 +333,9 @@ def process(
     token_weight = [1.0 / c / trained_execs if c else 0.0 for c in counts]
 
     max_shapes = len(menu) if max_row_shapes is None else max_row_shapes
-    rows, units, choice = _plan_bucketed(layouts, menu, max_shapes, row_length, rows_per_micro_step)
+    rows, units, choice = _plan_bucketed(
+        layouts, menu, max_shapes, row_length, rows_per_micro_step, row_lengths is not None
+    )
     width = max(choice.lengths, default=row_length)
     arrays = assemble_rows(
         layouts,
@@ -422,23 +424,28 @@ def _plan_bucketed(
     max_shapes: int,
     row_length: int,
     rows_per_micro_step: int,
+    bucketed: bool,
 ) -> tuple[list, list, BucketChoice]:
-    """Plans rows once per allowed longest length and keeps the fewest packed tokens.
+    """Plans rows for each allowed longest length and keeps the fewest packed tokens.
 
     Planning at a longer length lets trees share rows (fewer repeated trunks); the
     chosen buckets then cut each planned row down to the shortest length that holds it.
+    Bucketed (`row_lengths` given), each length is planned with every packing
+    `strategies` offers; otherwise with the default plan only, as before buckets.
     """
     need = max((int(lay.depth.max()) + 1 for lay in layouts if lay.num_tokens), default=0)
     best = None
     for longest in (m for m in menu if m >= need):
-        rows, units = plan_rows(layouts, longest)
-        fills = np.asarray([longest - row.free for row in rows], dtype=np.int64)
-        allowed = [m for m in menu if m <= longest]
-        choice = choose_lengths(
-            fills, allowed, max_shapes, base_length=row_length,
-            rows_per_micro_step=rows_per_micro_step,
-        )  # fmt: skip
-        if best is None or choice.key < best[2].key:
-            best = (rows, units, choice)
+        tries = strategies(longest, need) if bucketed else [{}]
+        for kwargs in tries:
+            rows, units = plan_rows(layouts, longest, **kwargs)
+            fills = np.asarray([longest - row.free for row in rows], dtype=np.int64)
+            allowed = [m for m in menu if m <= longest]
+            choice = choose_lengths(
+                fills, allowed, max_shapes, base_length=row_length,
+                rows_per_micro_step=rows_per_micro_step,
+            )  # fmt: skip
+            if best is None or choice.key < best[2].key:
+                best = (rows, units, choice)
     assert best is not None  # every call fits the longest length (checked above)
     return best
