@@ -15,6 +15,15 @@ It also prints a lower bound on the rows any exact packing of the admitted fores
 (see `rows_lower_bound`), and the best waste that bound allows: a token is trained only
 with its whole context in its row, so paths close to L cannot share rows and a shared
 trunk must be repeated in every row its tree spans, whatever the packer does.
+
+Row buckets (a second table): the same traces packed with `row_lengths` (rows of a few
+lengths, `max_row_shapes` distinct ones at most) against one length: within one
+device's row (L/4, L/2, L) and with a sequence axis (up to 4L), each with and without a
+cap on shapes. It reports packed tokens over U (uncapped) or over the admitted tokens
+(j_max=5), waste, the fewest packed tokens any exact packing could reach (a lower
+bound: admitted tokens + the trunk repeats rows of the longest length force, rounded up
+to whole micro-steps; with one length also the pairwise-incompatible paths), and the
+shapes used. The goal of issue 18 is packed <= 1.03 x U uncapped.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import statistics
 import time
 
@@ -35,6 +45,7 @@ from gyrejax.trajectory import (
     generate_executions,
     process,
 )
+from gyrejax.trajectory.buckets import rows_per_micro_step_for
 
 ROW_LENGTH = 8192
 
@@ -168,10 +179,88 @@ def rows_lower_bound(executions: list[Execution], row_length: int, j_max: int | 
     by_volume = -(-volume // row_length)
     bound = max(by_volume, len(chosen))
     return {
+        "volume_lower_bound": volume,
+        "incompatible_path_lengths": [p[0] for p in chosen],
         "rows_lower_bound": bound,
         "rows_by_volume": by_volume,
         "pairwise_incompatible_paths": len(chosen),
     }
+
+
+# (name, row lengths as multiples of L, max_row_shapes); None = the default, one length.
+BUCKETS = (
+    ("one length L", None, None),
+    ("L/4..L", (0.25, 0.5, 1), None),
+    ("L/4..4L", (0.25, 0.5, 1, 2, 4), None),
+    ("L/4..4L, 2 shapes", (0.25, 0.5, 1, 2, 4), 2),
+    ("L..4L, 1 shape", (1, 2, 4), 1),
+)
+
+
+def packed_lower_bound(executions, lengths, j_max, seed, rows_per_micro_step=1) -> int:
+    """Fewest packed tokens any exact packing with rows of `lengths` could reach.
+
+    The trunk repeats are counted for rows of the longest length (longer rows can only
+    repeat less); admitted + repeats is rounded up to the gcd of the micro-step sizes
+    (rows per micro-step x length: packed tokens are a sum of them). Also, the
+    pairwise-incompatible paths of `rows_lower_bound` (for the longest length) each need
+    a row of their own, at least the shortest allowed length that holds them.
+    """
+    bound = rows_lower_bound(executions, max(lengths), j_max, seed)
+    per = {
+        n: rows_per_micro_step_for(
+            n, row_length=ROW_LENGTH, rows_per_micro_step=rows_per_micro_step
+        )
+        for n in lengths
+    }
+    steps = [n * per[n] for n in lengths]
+    grain = math.gcd(*steps)
+    tokens = -(-bound["volume_lower_bound"] // grain) * grain
+    by_paths = sum(min(n for n in lengths if n >= p) for p in bound["incompatible_path_lengths"])
+    return max(tokens, -(-by_paths // grain) * grain)
+
+
+def bucket_table(executions) -> dict[str, dict]:
+    """Packs with each `BUCKETS` menu, j_max=5 and uncapped; prints and returns figures."""
+    out = {}
+    for j_name, j_max in (("j_max=5", 5), ("uncapped", None)):
+        for name, menu, cap in BUCKETS:
+            lengths = (ROW_LENGTH,) if menu is None else tuple(int(m * ROW_LENGTH) for m in menu)
+            t0 = time.perf_counter()
+            batch = process(
+                executions, row_length=ROW_LENGTH, j_max=j_max, vocab_size=32000,
+                row_lengths=None if menu is None else lengths, max_row_shapes=cap,
+            )  # fmt: skip
+            secs = time.perf_counter() - t0
+            s = batch.stats
+            base = s.unique_tokens if j_max is None else s.admitted_tokens
+            bound = packed_lower_bound(executions, lengths, j_max, 0)
+            out[f"{j_name} {name}"] = {
+                "row_lengths": list(lengths),
+                "max_row_shapes": cap,
+                "packed_tokens": s.packed_tokens,
+                "base_tokens": base,
+                "packed_over_base": s.packed_tokens / base,
+                "waste_fraction": s.waste_fraction,
+                "padding_tokens": s.padding_tokens,
+                "repeated_tokens": s.repeated_tokens,
+                "packed_lower_bound": bound,
+                "bound_over_base": bound / base,
+                "min_waste_fraction": 1 - s.admitted_tokens / bound,
+                "shapes": [list(x) for x in batch.shapes],
+                "seconds": secs,
+            }
+    print("\nrow buckets (L = 8192; base = U uncapped, admitted tokens with j_max=5)")
+    head = ("", "packed/base", "bound/base", "waste", "min waste", "pad", "repeat", "shapes")
+    print(f"{head[0]:<30}" + "".join(f"{h:>12}" for h in head[1:-1]) + f"  {head[-1]}")
+    for key, r in out.items():
+        shapes = " ".join(f"{n}x{length}" for n, length in r["shapes"])
+        print(
+            f"{key:<30}{r['packed_over_base']:>12.4f}{r['bound_over_base']:>12.4f}"
+            f"{100 * r['waste_fraction']:>11.2f}%{100 * r['min_waste_fraction']:>11.2f}%"
+            f"{r['padding_tokens']:>12,}{r['repeated_tokens']:>12,}  {shapes}"
+        )
+    return out
 
 
 def timed(fn, reps: int):
@@ -254,6 +343,7 @@ def main() -> None:
     line("packed vs call-by-call", lambda r: f"{base_packed / r['packed_tokens']:.1f}x less")
     line("processing time", lambda r: f"{r['seconds'] * 1e3:.0f} ms")
     line("throughput (naive tok/s)", lambda r: f"{r['naive_tokens_per_s'] / 1e6:.1f}M")
+    buckets = bucket_table(executions)
 
     if args.json:
         with open(args.json, "w") as f:
@@ -265,6 +355,7 @@ def main() -> None:
                     "quick": args.quick,
                     "reps": reps,
                     "results": results,
+                    "buckets": buckets,
                 },
                 f,
                 indent=2,

@@ -63,3 +63,47 @@ def assign_micro_steps(costs: np.ndarray, rows_per_micro_step: int) -> np.ndarra
         if len(slots[m]) < r:
             heapq.heappush(heap, (load + padded[i], m))
     return np.asarray([i for s in slots for i in s], dtype=np.int64)
+
+
+def assign_bucketed_micro_steps(
+    costs: np.ndarray, row_length: np.ndarray, rows_per_length: dict[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Micro-steps of one row length each (row buckets), balanced within each length.
+
+    Lengths go longest first; within one length rows are ordered by `assign_micro_steps`
+    with that length's rows per micro-step. With a single length this is exactly
+    `assign_micro_steps(costs, rows_per_length[length])`.
+
+    Args:
+      costs: float[rows] per-row cost.
+      row_length: int[rows] length of each row.
+      rows_per_length: rows per micro-step for each length present.
+
+    Returns:
+      (order, lengths, offsets): order int64[rows'] is a row permutation (indices >=
+      len(costs) are all-padding rows); lengths int64[rows'] the length of each ordered
+      row; micro-step m is ordered rows [offsets[m], offsets[m + 1]).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    row_length = np.asarray(row_length, dtype=np.int64)
+    orders, lengths, offsets = [], [], [0]
+    next_padding = len(costs)
+    for length in sorted({int(x) for x in row_length}, reverse=True):
+        rows = np.flatnonzero(row_length == length)
+        per = rows_per_length[length]
+        sub = assign_micro_steps(costs[rows], per)
+        padding = sub >= len(rows)
+        mapped = np.where(
+            padding, next_padding + sub - len(rows), rows[np.minimum(sub, len(rows) - 1)]
+        )
+        next_padding += int(padding.sum())
+        orders.append(mapped)
+        lengths.append(np.full(len(sub), length, dtype=np.int64))
+        offsets.extend(offsets[-1] + per * np.arange(1, len(sub) // per + 1))
+    if not orders:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64)
+    return (
+        np.concatenate(orders),
+        np.concatenate(lengths),
+        np.asarray(offsets, dtype=np.int64),
+    )

@@ -302,18 +302,47 @@ def _try_open(index: _RowIndex, units: list[_Unit], unit: _Unit) -> bool:
     return True
 
 
-def plan_rows(layouts: list[ForestLayout], row_length: int) -> tuple[list[_Row], list[_Unit]]:
+def plan_rows(
+    layouts: list[ForestLayout],
+    row_length: int,
+    *,
+    unit_cap: int | None = None,
+    tree_first_above: int | None = None,
+) -> tuple[list[_Row], list[_Unit]]:
     """Assigns every unit of every forest to a row (see module docstring).
+
+    Args:
+      layouts: one `ForestLayout` per execution.
+      row_length: L.
+      unit_cap: cut forests into units whose footprint (depth + size) is at most this
+        (default L). Smaller units fill rows more evenly at the price of more
+        repeated context; `strategies` tries a few.
+      tree_first_above: if set, units with a footprint above it are placed forest by
+        forest (largest forest first, each forest's units largest first), the rest
+        after them by size. One forest's big units placed in a row then share its
+        trunk instead of each repeating it in a different row.
 
     Returns:
       The rows (each a dict layout -> (unit indices, ancestor nodes)) and the units.
     """
-    units = _units(layouts, row_length)
+    units = _units(layouts, unit_cap or row_length)
 
     def footprint(i: int) -> int:
         return units[i].size + int(layouts[units[i].layout].node_depth[units[i].node])
 
-    order = sorted(range(len(units)), key=lambda i: (-footprint(i), i))
+    if tree_first_above is None:
+        order = sorted(range(len(units)), key=lambda i: (-footprint(i), i))
+    else:
+        forest_size: dict[int, int] = {}
+        for u in units:
+            forest_size[u.layout] = forest_size.get(u.layout, 0) + u.size
+
+        def key(i: int) -> tuple:
+            if footprint(i) > tree_first_above:
+                return (0, -forest_size[units[i].layout], units[i].layout, -footprint(i), i)
+            return (1, -footprint(i), i)
+
+        order = sorted(range(len(units)), key=key)
     index = _RowIndex(row_length, layouts)
     for ui in order:
         unit = units[ui]
@@ -327,6 +356,19 @@ def plan_rows(layouts: list[ForestLayout], row_length: int) -> tuple[list[_Row],
             cost = _marginal(index.rows[rid], unit, layouts)
         index.place(rid, ui, unit, cost)
     return index.rows, units
+
+
+def strategies(row_length: int, longest_path: int) -> list[dict[str, int | None]]:
+    """`plan_rows` keyword sets worth trying for rows of `row_length` (the first is the
+    default plan). Cheap (tens of ms each on 2.4M tokens), so bucketed packing plans
+    with each and keeps the fewest packed tokens.
+    """
+    caps = [c for c in (row_length, row_length // 2) if c >= longest_path]
+    return [
+        {"unit_cap": cap, "tree_first_above": above}
+        for cap in caps
+        for above in (None, row_length // 2, row_length // 4, row_length // 16)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

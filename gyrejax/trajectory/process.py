@@ -13,8 +13,14 @@ import numpy as np
 
 from gyrejax.trajectory.admission import admission_rng, admit_paths
 from gyrejax.trajectory.advantages import get_advantage
-from gyrejax.trajectory.microsteps import assign_micro_steps, row_costs
-from gyrejax.trajectory.packing import ForestLayout, assemble_rows, plan_rows
+from gyrejax.trajectory.buckets import (
+    BucketChoice,
+    check_row_lengths,
+    choose_lengths,
+    rows_per_micro_step_for,
+)
+from gyrejax.trajectory.microsteps import assign_bucketed_micro_steps, row_costs
+from gyrejax.trajectory.packing import ForestLayout, assemble_rows, plan_rows, strategies
 from gyrejax.trajectory.records import (
     Execution,
     check_token_range,
@@ -31,9 +37,10 @@ class PackStats:
 
     naive_tokens (N) is what call-by-call training would process: the sum over calls of
     len(prompt) + len(output). unique_tokens (U) are tree tokens; admitted_tokens the
-    tokens of the admitted forests; packed_tokens = rows * row_length, of which
-    padding_tokens are padding (padding rows included) and repeated_tokens are ancestor
-    context repeated because a tree spans several rows.
+    tokens of the admitted forests; packed_tokens = the sum of row lengths (rows *
+    row_length with one length), of which padding_tokens are padding (padding rows
+    included) and repeated_tokens are ancestor context repeated because a tree spans
+    several rows. row_shapes: distinct micro-step shapes (row lengths) used.
     """
 
     executions_in: int
@@ -59,6 +66,7 @@ class PackStats:
     waste_fraction: float
     naive_over_unique: float
     naive_over_admitted: float
+    row_shapes: int
 
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
@@ -66,10 +74,14 @@ class PackStats:
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """Packed rows of one training step; every array is [rows, row_length].
+    """Packed rows of one training step; every per-token array is [rows, width].
 
-    Key k of a row is visible to query q iff k <= q < subtree_end[k]. Rows are ordered
-    so that micro-step m is rows [m * rows_per_micro_step, (m + 1) * rows_per_micro_step).
+    Key k of a row is visible to query q iff k <= q < subtree_end[k]. Row r has
+    `row_lengths[r]` tokens (width, the longest, for every row when one length is used);
+    positions past it are padding. Micro-step m is rows [micro_step_offsets[m],
+    micro_step_offsets[m + 1]), all of one length; with one length that is rows
+    [m * rows_per_micro_step, (m + 1) * rows_per_micro_step). `micro_step(m)` gives its
+    arrays cut to their shape, `shapes` every shape a trainer must compile.
 
     Attributes:
       tokens: int32 token ids (pad_id on padding).
@@ -84,8 +96,10 @@ class PackedBatch:
       execution_ids: the used executions, in input order.
       execution_advantage: float32[E] advantage of each used execution.
       execution_reward: float32[E] reward of each used execution (0 for placeholders).
-      rows_per_micro_step: R.
+      rows_per_micro_step: R, rows of the base length per micro-step.
       stats: `PackStats`.
+      row_lengths: int32[rows] tokens of each row (a compiled row length).
+      micro_step_offsets: int64[M + 1] first row of each micro-step, then rows.
     """
 
     tokens: np.ndarray
@@ -102,6 +116,8 @@ class PackedBatch:
     execution_reward: np.ndarray
     rows_per_micro_step: int
     stats: PackStats
+    row_lengths: np.ndarray
+    micro_step_offsets: np.ndarray
 
     _ROW_FIELDS = (
         "tokens",
@@ -121,17 +137,31 @@ class PackedBatch:
 
     @property
     def row_length(self) -> int:
+        """The array width: the longest row length."""
         return self.tokens.shape[1]
 
     @property
     def num_micro_steps(self) -> int:
-        return self.num_rows // self.rows_per_micro_step
+        return len(self.micro_step_offsets) - 1
 
-    def micro_step(self, m: int) -> dict[str, np.ndarray]:
-        """The per-token arrays of micro-step m, each [rows_per_micro_step, row_length]."""
+    def micro_step_shape(self, m: int) -> tuple[int, int]:
+        """(rows, row length) of micro-step m."""
         if not 0 <= m < self.num_micro_steps:
             raise IndexError(f"micro-step {m} out of range [0, {self.num_micro_steps})")
-        sl = slice(m * self.rows_per_micro_step, (m + 1) * self.rows_per_micro_step)
+        start, stop = self.micro_step_offsets[m : m + 2]
+        return int(stop - start), int(self.row_lengths[start])
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """The distinct micro-step shapes (rows, row length), longest rows first."""
+        found = {self.micro_step_shape(m) for m in range(self.num_micro_steps)}
+        return tuple(sorted(found, key=lambda s: (-s[1], s[0])))
+
+    def micro_step(self, m: int) -> dict[str, np.ndarray]:
+        """The per-token arrays of micro-step m, each of `micro_step_shape(m)`."""
+        rows, length = self.micro_step_shape(m)
+        start = int(self.micro_step_offsets[m])
+        sl = (slice(start, start + rows), slice(0, length))
         return {name: getattr(self, name)[sl] for name in self._ROW_FIELDS}
 
 
@@ -215,12 +245,16 @@ def process(
     vocab_size: int | None = None,
     eval_retry_budget: int = 3,
     pad_id: int = 0,
+    row_lengths: Sequence[int] | None = None,
+    max_row_shapes: int | None = None,
 ) -> PackedBatch:
     """Turns finished executions into one packed batch.
 
     Args:
       executions: the step's executions (unique ids).
-      row_length: L, tokens per row. Every call's prompt + output must fit in L.
+      row_length: L, tokens per row. Every call's prompt + output must fit in L (in
+        the longest of `row_lengths` when given). A micro-step holds R rows of L, or
+        the same tokens in rows of another length (see `gyrejax.trajectory.buckets`).
       j_max: most root-to-leaf paths admitted per execution; None = all.
       seed: admission seed (per execution: seed and crc32 of its id).
       advantage: name of a registered group-relative estimator ("grpo", "rloo", ...).
@@ -229,6 +263,10 @@ def process(
       eval_retry_budget: eval_failed executions with at least this many evaluation
         attempts are dropped; with fewer, `process` refuses them.
       pad_id: token id written on padding.
+      row_lengths: row buckets: the lengths rows may have (each compiled once by the
+        trainer); None = (row_length,), every row of length L, as without buckets.
+      max_row_shapes: most distinct row lengths in this batch (None = no cap). The
+        lengths are chosen to minimise packed tokens; never worse than any one length.
 
     Returns:
       A `PackedBatch`.
@@ -237,6 +275,7 @@ def process(
       ValueError naming the execution (and call) for any invalid record.
     """
     _check_args(row_length, j_max, rows_per_micro_step, vocab_size, eval_retry_budget, pad_id)
+    menu = (row_length,) if row_lengths is None else check_row_lengths(row_lengths, max_row_shapes)
     estimator = get_advantage(advantage)
     executions = list(executions)
     check_unique_ids(executions)
@@ -248,7 +287,7 @@ def process(
     for ex in executions:
         # Prompt tokens of used executions are range-checked by the tree builder.
         decision = check_execution(
-            ex, row_length=row_length, vocab_size=vocab_size,
+            ex, row_length=menu[-1], vocab_size=vocab_size,
             eval_retry_budget=eval_retry_budget, check_prompts=False,
         )  # fmt: skip
         if decision == "drop":
@@ -293,19 +332,35 @@ def process(
     trained_execs = sum(c > 0 for c in counts)
     token_weight = [1.0 / c / trained_execs if c else 0.0 for c in counts]
 
-    rows, units = plan_rows(layouts, row_length)
+    max_shapes = len(menu) if max_row_shapes is None else max_row_shapes
+    rows, units, choice = _plan_bucketed(
+        layouts, menu, max_shapes, row_length, rows_per_micro_step, row_lengths is not None
+    )
+    width = max(choice.lengths, default=row_length)
     arrays = assemble_rows(
         layouts,
         rows,
         units,
-        row_length=row_length,
+        row_length=width,
         execution_index=layout_exec,
         token_weight=token_weight,
         advantage=[float(adv_arr[i]) for i in layout_exec],
         pad_id=pad_id,
     )
-    order = assign_micro_steps(
-        row_costs(arrays.subtree_end, arrays.execution_index), rows_per_micro_step
+    costs = np.zeros(len(rows), dtype=np.float64)
+    for length in choice.lengths:  # each bucket's cost model over its own length
+        sel = choice.row_length == length
+        costs[sel] = row_costs(
+            arrays.subtree_end[sel, :length], arrays.execution_index[sel, :length]
+        )
+    per_length = {
+        length: rows_per_micro_step_for(
+            length, row_length=row_length, rows_per_micro_step=rows_per_micro_step
+        )
+        for length in choice.lengths
+    }
+    order, ordered_lengths, offsets = assign_bucketed_micro_steps(
+        costs, choice.row_length, per_length
     )
     num_real_rows = len(rows)
     extra = len(order) - num_real_rows
@@ -313,14 +368,17 @@ def process(
     for name in PackedBatch._ROW_FIELDS:
         a = getattr(arrays, name)
         if extra:
-            a = np.concatenate([a, _padding_rows(name, extra, row_length, pad_id, a.dtype)])
+            a = np.concatenate([a, _padding_rows(name, extra, width, pad_id, a.dtype)])
         a = a[order]
         a.flags.writeable = False
         fields[name] = a
+    row_length_arr = ordered_lengths.astype(np.int32)
+    row_length_arr.flags.writeable = False
+    offsets.flags.writeable = False
 
     admitted_tokens = sum(lay.num_tokens for lay in layouts)
     total_rows = len(order)
-    packed = total_rows * row_length
+    packed = int(ordered_lengths.sum())
     real = int((fields["execution_index"] >= 0).sum())
     stats = PackStats(
         executions_in=len(executions),
@@ -339,13 +397,14 @@ def process(
         paths_admitted=paths,
         rows=total_rows,
         padding_rows=total_rows - num_real_rows,
-        micro_steps=total_rows // rows_per_micro_step,
+        micro_steps=len(offsets) - 1,
         packed_tokens=packed,
         padding_tokens=packed - real,
         repeated_tokens=arrays.repeated_tokens,
         waste_fraction=(packed - admitted_tokens) / packed if packed else 0.0,
         naive_over_unique=naive / unique if unique else 0.0,
         naive_over_admitted=naive / admitted_tokens if admitted_tokens else 0.0,
+        row_shapes=len(choice.lengths),
     )
     return PackedBatch(
         **fields,
@@ -354,4 +413,39 @@ def process(
         execution_reward=reward_arr.astype(np.float32),
         rows_per_micro_step=rows_per_micro_step,
         stats=stats,
+        row_lengths=row_length_arr,
+        micro_step_offsets=offsets,
     )
+
+
+def _plan_bucketed(
+    layouts: list[ForestLayout],
+    menu: tuple[int, ...],
+    max_shapes: int,
+    row_length: int,
+    rows_per_micro_step: int,
+    bucketed: bool,
+) -> tuple[list, list, BucketChoice]:
+    """Plans rows for each allowed longest length and keeps the fewest packed tokens.
+
+    Planning at a longer length lets trees share rows (fewer repeated trunks); the
+    chosen buckets then cut each planned row down to the shortest length that holds it.
+    Bucketed (`row_lengths` given), each length is planned with every packing
+    `strategies` offers; otherwise with the default plan only, as before buckets.
+    """
+    need = max((int(lay.depth.max()) + 1 for lay in layouts if lay.num_tokens), default=0)
+    best = None
+    for longest in (m for m in menu if m >= need):
+        tries = strategies(longest, need) if bucketed else [{}]
+        for kwargs in tries:
+            rows, units = plan_rows(layouts, longest, **kwargs)
+            fills = np.asarray([longest - row.free for row in rows], dtype=np.int64)
+            allowed = [m for m in menu if m <= longest]
+            choice = choose_lengths(
+                fills, allowed, max_shapes, base_length=row_length,
+                rows_per_micro_step=rows_per_micro_step,
+            )  # fmt: skip
+            if best is None or choice.key < best[2].key:
+                best = (rows, units, choice)
+    assert best is not None  # every call fits the longest length (checked above)
+    return best
