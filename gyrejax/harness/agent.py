@@ -33,8 +33,8 @@ from absl import logging
 
 from gyrejax.config import HarnessConfig
 from gyrejax.harness import tokenizer as tok
-from gyrejax.harness.envs import get_environment
-from gyrejax.harness.envs.mini_repo import EvaluationError, parse_action
+from gyrejax.harness.actions import parse_action
+from gyrejax.harness.envs import EvaluationError, get_environment
 from gyrejax.harness.workspace import Workspace
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import SamplingParams
