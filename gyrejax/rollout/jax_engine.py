@@ -58,7 +58,7 @@ from gyrejax.model import sharding
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import bucket_length, sample_per_slot
 from gyrejax.model.transformer import KVCache, Transformer
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 
 MAX_STOP_IDS = 8  # stop ids per request checked on device
@@ -247,8 +247,9 @@ class JaxEngine(Engine):
     def cancel(self, request_id: str) -> None:
         self._post(lambda: self._cancel(request_id))
 
-    async def update_weights(self, weights, version: int) -> None:
-        """`weights`: an nnx pure dict of parameters, an nnx State, or an HF directory."""
+    async def update_weights(self, weights: Weights | nnx.Module, version: int) -> None:
+        """`weights`: parameters (a pure dict or an nnx State), an HF directory, or a
+        model whose parameters to take."""
         if isinstance(weights, str | bytes) or hasattr(weights, "__fspath__"):
             weights = load_hf(weights)
         if isinstance(weights, nnx.Module):

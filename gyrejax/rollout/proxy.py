@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from absl import logging
 
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import (
     Completion,
     EngineError,
@@ -395,7 +395,9 @@ class Proxy:
             raise NoEngineError(f"no engine can take the requests of {exclude!r}")
         return min(candidates, key=lambda s: s.occupancy)
 
-    async def update_weights(self, weights, version: int, names: Iterable[str] | None = None):
+    async def update_weights(
+        self, weights: Weights, version: int, names: Iterable[str] | None = None
+    ) -> None:
         """Publishes new weights to the given (default: all live) engines concurrently."""
         targets = [
             s.engine

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 
 # vLLM treats temperatures below this as greedy (vllm.sampling_params._SAMPLING_EPS).
@@ -144,6 +144,11 @@ class VllmEngine(Engine):
     """
 
     exports_kv = False
+
+    @property
+    def weights_by_path(self) -> bool:
+        """In-memory weights only with `weight_transfer="ipc"` (GPU)."""
+        return self.weight_transfer != "ipc"
 
     def __init__(
         self,
@@ -273,7 +278,7 @@ class VllmEngine(Engine):
         if not self._closed:
             self._loop.call_soon_threadsafe(self._end, request_id, "cancelled")
 
-    async def update_weights(self, weights, version: int) -> None:
+    async def update_weights(self, weights: Weights, version: int) -> None:
         """Loads new weights in place; requests in flight continue under them.
 
         Args:
