@@ -72,7 +72,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from gyrejax.scheduler.driver import Driver, Schedule
-from gyrejax.scheduler.policies import IDLE_CAUSES, Policy, Role, View, make_policy
+from gyrejax.scheduler.policies import (
+    IDLE_CAUSES,
+    Policy,
+    Role,
+    View,
+    make_policy,
+    policy_options,
+)
 
 HOUR = 3600.0
 WORKLOADS = ("static", "drift", "mixed")
@@ -845,24 +852,8 @@ class Simulator:
         )
 
 
-def policy_kwargs(name: str, **options) -> dict:
-    """Keyword arguments of `make_policy` for a policy name (options of other policies
-    are dropped, so one options dict can serve every policy)."""
-    accepted = {
-        "colocate": (),
-        "async": ("training_cells", "lookahead"),
-        "elastic": ELASTIC_OPTIONS,
-    }.get(name, tuple(options))
-    return {k: v for k, v in options.items() if k in accepted}
-
-
-ELASTIC_OPTIONS = ("min_rollout_cells", "lookahead", "core_stays", "keep_cell", "backlog_steps")
-
-
 def simulate(config: SimConfig, policy: str, trace: Trace | None = None, **options) -> SimResult:
-    """Runs one policy by name (`options` as in `policy_kwargs`) and returns its result."""
-    instance = make_policy(policy, **policy_kwargs(policy, **options))
-    label = policy
-    if policy == "async" and "training_cells" in options:
-        label = f"async({options['training_cells']})"
-    return Simulator(config, instance, trace, name=label).run()
+    """Runs one policy by name (`options`: those it does not take are left out, as in
+    `policies.policy_options`) and returns its result, labelled by the policy."""
+    instance = make_policy(policy, **policy_options(policy, **options))
+    return Simulator(config, instance, trace, name=getattr(instance, "label", policy)).run()
