@@ -140,8 +140,9 @@ class Harness:
                 score = await asyncio.to_thread(self.env.score, run.task, run.workspace.root)
                 return score.reward, status, attempts
             except EvaluationError as e:
-                logging.warning("evaluation of %s failed (attempt %d): %s", run.execution_id,
-                                attempts, e)  # fmt: skip
+                logging.warning(
+                    "evaluation of %s failed (attempt %d): %s", run.execution_id, attempts, e
+                )
                 if attempts >= self.config.eval_retry_budget:
                     return None, "eval_failed", attempts
 

@@ -278,8 +278,12 @@ class Proxy:
                 self._mark_failed(state, str(error))
                 logging.warning(
                     "request %s failed on %s (%s); attempt %d of %d",
-                    request.request_id, engine.name, error, attempts, self.max_attempts,
-                )  # fmt: skip
+                    request.request_id,
+                    engine.name,
+                    error,
+                    attempts,
+                    self.max_attempts,
+                )
                 if attempts >= self.max_attempts:
                     raise
                 live = None  # start again from the prompt on another engine

@@ -58,10 +58,10 @@ _VLLM_GREEDY_BELOW = 1e-5
 _SEED_STRIDE = 0x9E3779B1
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 # config.json fields a weight update must keep.
-_SHAPE_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-)  # fmt: skip
+_SHAPE_FIELDS = tuple(
+    "model_type vocab_size hidden_size intermediate_size num_hidden_layers "
+    "num_attention_heads num_key_value_heads head_dim tie_word_embeddings".split()
+)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value=None, error=None):

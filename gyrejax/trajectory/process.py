@@ -227,9 +227,12 @@ def process(
     for ex in executions:
         # Prompt tokens of used executions are range-checked by the tree builder.
         decision = check_execution(
-            ex, row_length=row_length, vocab_size=vocab_size,
-            eval_retry_budget=eval_retry_budget, check_prompts=False,
-        )  # fmt: skip
+            ex,
+            row_length=row_length,
+            vocab_size=vocab_size,
+            eval_retry_budget=eval_retry_budget,
+            check_prompts=False,
+        )
         if decision == "drop":
             dropped += 1
             continue

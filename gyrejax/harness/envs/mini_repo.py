@@ -55,11 +55,11 @@ LEVELS = (1, 2, 3)
 MAX_SPEC_BYTES = 150
 SPEC_HEADER = "make these files:"
 # Small vocabularies: lower-case words, digits, a few file names.
-WORDS = ("hi", "ok", "yes", "no", "cat", "dog", "sun", "red", "blue", "tree", "box", "one",
-         "two", "six", "top", "map", "sky", "day", "fox", "bee")  # fmt: skip
+WORDS = tuple(
+    "hi ok yes no cat dog sun red blue tree box one two six top map sky day fox bee".split()
+)
 SYLLABLES = ("ab", "xo", "la", "mi", "zz", "ok", "no", "ha")
-TEXT_FILES = ("a.txt", "b.txt", "c.txt", "x.txt", "y.txt", "note.txt", "name.txt", "msg.txt",
-              "out.txt", "data.txt", "tag.txt", "id.txt")  # fmt: skip
+TEXT_FILES = tuple(f"{name}.txt" for name in "a b c x y note name msg out data tag id".split())
 MODULES = ("f", "g", "h")
 # Function templates: (words phrasing of the body, callable); `k` is a small constant.
 _FORMULAS = {
@@ -68,8 +68,7 @@ _FORMULAS = {
     "mul": ("x * {k}", lambda x, k: x * k),
 }
 _TEXT_CHECK_BYTES = 1 << 16  # scoring reads at most this much of a file
-_SCORING_LIMITS = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=5.0,
-                         max_output_bytes=16 << 10)  # fmt: skip
+_SCORING_LIMITS = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=5.0, max_output_bytes=16 << 10)
 
 # --- tasks --------------------------------------------------------------------------------
 
