@@ -26,6 +26,7 @@ from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.loop import PublishedWeights, Runtime
 from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
+from gyrejax.scheduler.policies import IDLE_CAUSES
 from gyrejax.trajectory import ExecutionStore, generate_executions
 
 
@@ -54,6 +55,18 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     # Which sandbox ran agent code (without bubblewrap: a warning that it is no boundary).
     written = json.loads((tmp_path / "run_summary.json").read_text())
     assert written["sandbox"] == summary["sandbox"] == sandbox_summary("auto")
+    # Every sampled cell-second is busy or idle for one cause: the idle share is
+    # 1 - utilisation, and the per-step rows add up to no more than the run's total.
+    cell_s = written["cell_s"]
+    assert set(cell_s) == {"busy", *IDLE_CAUSES}
+    idle = sum(v for k, v in cell_s.items() if k != "busy") / sum(cell_s.values())
+    assert idle == pytest.approx(1 - written["utilisation"], abs=0.01)
+    assert sum(sum(s["cell_s"].values()) for s in steps) <= sum(cell_s.values()) + 1e-6
+    assert written["schedule"]["policy"] == policy and written["over_stale"] == 0
+    if policy == "async":
+        # The training cell waits for the first groups: before the last dispatch that is
+        # train_wait, after it (all groups of this tiny run go out at once) the tail.
+        assert cell_s["train_wait"] + cell_s["tail"] > 0
 
 
 def launch(workdir, steps):
