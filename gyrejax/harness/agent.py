@@ -38,8 +38,7 @@ from absl import logging
 
 from gyrejax.config import HarnessConfig
 from gyrejax.harness.chat import ByteChat
-from gyrejax.harness.envs import get_environment
-from gyrejax.harness.envs.mini_repo import EvaluationError
+from gyrejax.harness.envs import EvaluationError, get_environment
 from gyrejax.harness.workspace import Workspace
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import SamplingParams
@@ -148,8 +147,9 @@ class Harness:
                 score = await asyncio.to_thread(self.env.score, run.task, run.workspace.root)
                 return score.reward, status, attempts
             except EvaluationError as e:
-                logging.warning("evaluation of %s failed (attempt %d): %s", run.execution_id,
-                                attempts, e)  # fmt: skip
+                logging.warning(
+                    "evaluation of %s failed (attempt %d): %s", run.execution_id, attempts, e
+                )
                 if attempts >= self.config.eval_retry_budget:
                     return None, "eval_failed", attempts
 

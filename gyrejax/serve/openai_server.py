@@ -322,9 +322,11 @@ class OpenAIServer(Site):
         attempts = as_int(get(body, "eval_attempts", default=0), "eval_attempts", lo=0, hi=2**31)
         if self._executions.get(state.execution_id) is not state:  # finished meanwhile
             raise HttpError(
-                401, "Authorization: execution key of a finished execution",
-                "authentication_error", "Authorization",
-            )  # fmt: skip
+                401,
+                "Authorization: execution key of a finished execution",
+                "authentication_error",
+                "Authorization",
+            )
         # No new requests from here on: the key is void.
         del self._executions[state.execution_id]
         del self._by_key[_digest(state.key)]
