@@ -1,12 +1,12 @@
 """Dispatch: groups of executions, from the policy's decision to a ready group.
 
 Each new group g<seq> takes a task from the environment (`harness.tasks.draw_tasks`,
-seeded by seq) and runs `rl.group_size` executions through the harness, with the
-rollout weights of the moment (`dispatch.jsonl`). Every execution is stored as soon as
-it ends (`workdir/executions`; `executions.jsonl` logs when, for calibration); a group
-whose executions all ended is ready for training. After a restart, groups dispatched
-before it are ready again (unless trained before the checkpoint) and only their
-missing executions run again.
+seeded by seq; or from `rl.tasks_path`) and runs `rl.group_size` executions through the
+harness (or the external agents), with the rollout weights of the moment
+(`dispatch.jsonl`). Every execution is stored as soon as it ends (`workdir/executions`;
+`executions.jsonl` logs when, for calibration); a group whose executions all ended is
+ready for training. After a restart, groups dispatched before it are ready again (unless
+trained before the checkpoint) and only their missing executions run again.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 from absl import logging
 
 from gyrejax.harness.agent import Harness
-from gyrejax.harness.tasks import draw_tasks
+from gyrejax.harness.tasks import FileTask, draw_file_task, draw_tasks
 from gyrejax.logs import append_jsonl, prepare_for_append
 from gyrejax.loop.context import RunContext
 from gyrejax.trajectory import Execution, ExecutionStore
@@ -44,19 +44,25 @@ class Groups:
       ctx: the run.
       env: the environment its tasks come from.
       store: where every execution is stored as it ends.
+      tasks: a task file's tasks (`rl.tasks_path`); None: the environment's.
     """
 
-    def __init__(self, ctx: RunContext, env, store: ExecutionStore):
+    def __init__(
+        self, ctx: RunContext, env, store: ExecutionStore, tasks: list[FileTask] | None = None
+    ):
         self.ctx = ctx
         self.env = env
         self.store = store
-        self.harness: Harness | None = None  # set once the engines are up (`attach`)
+        self.tasks = tasks
+        # Runs executions: the built-in Harness or CommandAgents (the same
+        # `run_execution`); set once the engines are up (`attach`).
+        self.harness: Harness | None = None
         self.groups: dict[str, Group] = {}
         self.ready: collections.deque[str] = collections.deque()
         self.next_seq = 0
         self.bad_records = 0  # stored records skipped since the last metrics row
 
-    def attach(self, harness: Harness) -> None:
+    def attach(self, harness) -> None:
         self.harness = harness
 
     def in_flight(self) -> list[Group]:
@@ -89,7 +95,10 @@ class Groups:
 
     def _make(self, seq: int, version: int) -> Group:
         config = self.ctx.config
-        (task,) = draw_tasks(self.env, config.harness, 1, seed=seq, run_seed=config.seed)
+        if self.tasks is not None:
+            task = draw_file_task(self.tasks, seed=seq, run_seed=config.seed)
+        else:
+            (task,) = draw_tasks(self.env, config.harness, 1, seed=seq, run_seed=config.seed)
         group = Group(f"g{seq}", seq, task, version, self.ctx.driver.burst)
         self.groups[group.group_id] = group
         return group

@@ -7,7 +7,9 @@ policy sees a `View` and returns a `Decision`; the runtime carries it out under 
 driver rules both drivers share (gyrejax.scheduler.driver):
 
   * dispatch (groups.py): each new group takes a task and runs `rl.group_size`
-    executions through the harness; each execution is stored as it ends;
+    executions through the harness (or, with `rl.agent = command`, as processes of the
+    user's agent through an OpenAI door served here: harness/external.py); each
+    execution is stored as it ends;
   * steps (steps.py): a training step starts when the rules and the staleness gate
     allow, trains on every TRAINING cell in an executor thread, and after every
     `scheduler.mu` steps the weights are published to the rollout engines
@@ -26,13 +28,17 @@ re-run, unfinished ones are.
 from __future__ import annotations
 
 import asyncio
+import secrets
+import shlex
 from pathlib import Path
 
 from gyrejax.cells import Cell
 from gyrejax.config import Config
 from gyrejax.harness.agent import Harness
-from gyrejax.harness.chat import load_chat
+from gyrejax.harness.chat import HfChat, load_chat
 from gyrejax.harness.envs import get_environment
+from gyrejax.harness.external import CommandAgents
+from gyrejax.harness.tasks import load_task_file
 from gyrejax.loop.context import RunContext, schedule_of
 from gyrejax.loop.engines import CellEngines, Rollout
 from gyrejax.loop.groups import Groups
@@ -43,6 +49,8 @@ from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
 from gyrejax.scheduler.driver import Driver
 from gyrejax.scheduler.policies import Role, make_policy, policy_options
+from gyrejax.serve.chat import ByteChatTemplate
+from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import ExecutionStore
 
@@ -81,7 +89,12 @@ class Runtime:
         driver = Driver(schedule_of(config, len(cells)))
         self.ctx = RunContext(config, cells, workdir, trainer, driver)
         env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
-        self.groups = Groups(self.ctx, env, ExecutionStore(workdir / "executions"))
+        tasks = None
+        if config.rl.tasks_path:  # read (and resolved) now: a bad file is one error line
+            scorer = env if config.rl.reward == "environment" else None
+            tasks = load_task_file(config.rl.tasks_path, scorer)
+        self.groups = Groups(self.ctx, env, ExecutionStore(workdir / "executions"), tasks)
+        self.door: OpenAIServer | None = None  # rl.agent = command: the agents' door
         self.rollout = Rollout(self.ctx, cell_engines)
         self.cell_time = CellTime(self.ctx)
         self.steps = Steps(self.ctx, self.groups, self.cell_time, self.rollout.publish)
@@ -105,14 +118,7 @@ class Runtime:
         self.steps.restore()
         try:  # engines started so far are shut down even if a later one fails to start
             proxy = await self.rollout.start()
-            harness = Harness(
-                proxy,
-                config.harness,
-                ctx.workdir / "workspaces",
-                temperature=config.rollout.temperature,
-                environment=self.groups.env,
-                chat=load_chat(config.model.tokenizer),
-            )
+            harness = await self._agents(proxy)
             self.groups.attach(harness)
             ctx.timeline += [(0.0, cell.index, Role.ROLLOUT.value) for cell in ctx.cells]
             ctx.spawn(self.transitions.worker())
@@ -143,6 +149,42 @@ class Runtime:
             await self._shutdown()
         return write_summary(ctx, self.cell_time, self.steps.over_stale)
 
+    async def _agents(self, proxy):
+        """What runs executions: the built-in harness, or the user's agent command
+        through an OpenAI door this runtime serves on loopback (harness/external.py)."""
+        config, workdir = self.config, self.ctx.workdir / "workspaces"
+        chat = load_chat(config.model.tokenizer)
+        if config.rl.agent == "builtin":
+            return Harness(
+                proxy,
+                config.harness,
+                workdir,
+                temperature=config.rollout.temperature,
+                environment=self.groups.env,
+                chat=chat,
+            )
+        model_name = Path(config.model.hf_checkpoint).name or "gyrejax"
+        self.door = OpenAIServer(
+            proxy,
+            chat.template if isinstance(chat, HfChat) else ByteChatTemplate(),
+            api_key=secrets.token_urlsafe(32),  # nobody creates executions but us
+            model_name=model_name,
+            default_max_tokens=config.harness.max_new_tokens,
+            max_open_executions=max(256, 2 * config.rl.group_size * config.rl.groups_per_step),
+        )
+        url = await self.door.start("127.0.0.1", 0)
+        return CommandAgents(
+            self.door,
+            url,
+            shlex.split(config.rl.agent_command),
+            workdir,
+            environment=self.groups.env,
+            reward=config.rl.reward,
+            timeout_s=config.harness.timeout_s,
+            eval_retry_budget=config.harness.eval_retry_budget,
+            model_name=model_name,
+        )
+
     async def _shutdown(self) -> None:
         ctx = self.ctx
         if self.rollout.proxy is not None:
@@ -151,5 +193,7 @@ class Runtime:
             if task is not ctx.step_task:
                 task.cancel()
         await asyncio.gather(*ctx.tasks(), return_exceptions=True)
+        if self.door is not None:
+            await self.door.stop()
         await self.rollout.shutdown()
         self.steps.close()

@@ -289,6 +289,24 @@ class MiniRepoEnv:
             tasks.append(Task(f"mini_repo-L{level}-{digest}", level, spec, goals))
         return tasks
 
+    def task_line(self, task: Task, *, seed: int, index: int) -> dict:
+        """A JSONL task line (`rl.tasks_path`) for `sample_tasks(n > index, seed=seed,
+        difficulty=task.difficulty)[index]`: id, prompt, and where it is drawn from."""
+        where = {"seed": seed, "difficulty": task.difficulty, "index": index}
+        return {"id": task.task_id, "prompt": task.spec, "mini_repo": where}
+
+    def task_from_dict(self, data: dict) -> Task:
+        """The task a `task_line` names (drawn again: the hidden checks are never in the
+        file). Raises ValueError if the line's id is not the task drawn."""
+        where = data["mini_repo"]
+        index = where["index"]
+        task = self.sample_tasks(index + 1, seed=where["seed"], difficulty=where["difficulty"])[
+            index
+        ]
+        if task.task_id != data["id"]:
+            raise ValueError(f"id {data['id']!r} is not the task drawn ({task.task_id!r})")
+        return task
+
     # Scoring.
 
     def score(self, task: Task, workspace_root: Path | str) -> Score:
