@@ -1,6 +1,6 @@
 """Rollout benchmark: JAX engine vs vLLM engine throughput; migration latency.
 
-  python benchmarks/rollout_bench.py [--quick] [--json PATH]
+  python benchmarks/rollout_bench.py [--quick] [--json PATH] [--door_only]
 
 On the tiny model of configs/tiny_cpu.py (float32, head_dim 64, so vLLM's CPU attention
 serves it), side by side in one run:
@@ -9,7 +9,12 @@ serves it), side by side in one run:
     installed), after a warm-up run of each; tokens/s is new tokens over wall time;
   * migration latency as the context grows (1k, 4k, 16k tokens): from the start of an
     export on one JAX engine until the request's next token on another, with the KV
-    cache copied device to device vs re-submitted (prompt + tokens so far re-prefilled).
+    cache copied device to device vs re-submitted (prompt + tokens so far re-prefilled);
+  * the OpenAI door's overhead per call (`rl.agent = command`): 1, 8 and 32 concurrent
+    agents, each making calls one after another (128-token prompts, 32 new tokens,
+    greedy) on one JAX engine, through the door over loopback HTTP (aiohttp client,
+    /v1/completions with token ids) vs `Proxy.generate` in process; the two modes
+    interleaved, median per-call time of each, overhead = door / proxy - 1 (goal < 5%).
 """
 
 from __future__ import annotations
@@ -150,13 +155,98 @@ async def main_async(args) -> dict:
     return results
 
 
+DOOR_KEY = "bench-admin-key-" + "x" * 16
+
+
+async def door_overhead(quick: bool) -> list[dict]:
+    """Per-call time through the door vs the proxy alone (see the module docstring)."""
+    import aiohttp
+
+    from gyrejax.harness import tokenizer as tok
+    from gyrejax.rollout.proxy import Proxy
+    from gyrejax.serve.openai_server import OpenAIServer
+
+    # The tiny model over the byte tokenizer's vocabulary: the door's default template.
+    model = init_model(dataclasses.replace(TINY, vocab_size=tok.VOCAB_SIZE))
+    engine = JaxEngine("jax", model, max_slots=32, max_seq_len=256, decode_steps=8)
+    proxy = Proxy([engine])
+    door = OpenAIServer(proxy, api_key=DOOR_KEY, max_open_executions=1024)
+    url = await door.start("127.0.0.1", 0)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 256, 128).tolist() for _ in range(32)]
+    new_tokens, calls = 32, (3 if quick else 6)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    rows = []
+    async with aiohttp.ClientSession() as session:
+
+        async def via_proxy(i: int, tag: str) -> list[float]:
+            times = []
+            proxy.dispatch(f"{tag}{i}")
+            for _ in range(calls):
+                start = time.perf_counter()
+                await proxy.generate(f"{tag}{i}", "main", "main", np.asarray(prompts[i]), sampling)
+                times.append(time.perf_counter() - start)
+            proxy.finish(f"{tag}{i}")
+            return times
+
+        async def via_door(i: int, tag: str) -> list[float]:
+            times = []
+            key = door.open_execution(f"{tag}{i}")
+            headers = {"Authorization": f"Bearer {key}"}
+            body = {"model": "m", "prompt": prompts[i], "max_tokens": new_tokens}
+            body |= {"temperature": 0.0}
+            for _ in range(calls):
+                start = time.perf_counter()
+                async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    await r.json()
+                times.append(time.perf_counter() - start)
+            await door.close_execution(f"{tag}{i}")
+            return times
+
+        for agents in (1, 8, 32):
+            samples = {"proxy": [], "door": []}
+            for rep in range(2 if quick else 3):  # interleaved; rep 0 warms up
+                for mode, run in (("proxy", via_proxy), ("door", via_door)):
+                    tag = f"{mode}-{agents}-{rep}-"
+                    times = await asyncio.gather(*(run(i, tag) for i in range(agents)))
+                    if rep:
+                        samples[mode] += [t for ts in times for t in ts]
+            proxy_s = statistics.median(samples["proxy"])
+            door_s = statistics.median(samples["door"])
+            rows.append(
+                {"agents": agents, "proxy_ms": proxy_s * 1e3, "door_ms": door_s * 1e3,
+                 "overhead": door_s / proxy_s - 1}
+            )  # fmt: skip
+    await door.stop()
+    await engine.shutdown()
+    return rows
+
+
+def print_door(rows: list[dict]) -> None:
+    print("\nOpenAI door overhead per call (128-token prompt, 32 new tokens, tiny model):")
+    print(f"  {'agents':>6} {'proxy ms':>9} {'door ms':>9} {'overhead':>9}")
+    for row in rows:
+        print(f"  {row['agents']:>6} {row['proxy_ms']:>9.1f} {row['door_ms']:>9.1f} "
+              f"{row['overhead']:>8.1%}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--door_only", action="store_true", help="only the door's overhead")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    door = asyncio.run(door_overhead(args.quick))
+    if args.door_only:
+        print_door(door)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"door": door}, f, indent=2)
+        return
     results = asyncio.run(main_async(args))
+    results["door"] = door
 
     print(
         f"throughput: {results['requests']} requests x {results['prompt_tokens']}-token prompts "
@@ -179,6 +269,7 @@ def main() -> None:
     for row in results["migration"]:
         kv, resubmit = row["kv_copy"] * 1e3, row["resubmit"] * 1e3
         print(f"  {row['context']:>8} {kv:>11.1f} {resubmit:>13.1f} {resubmit / kv:>5.1f}x")
+    print_door(door)
     if args.json:
         for engine in ("jax", "vllm"):
             results[engine].pop("outputs", None)

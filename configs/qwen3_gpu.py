@@ -239,6 +239,12 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl.group_size = 8
     c.rl.groups_per_step = 8
     c.rl.j_max = 5
+    # Who acts: builtin (the harness) | command (your agent program through the run's
+    # OpenAI door; see README "Bring your own agent"). The rest is for command only.
+    c.rl.agent = "builtin"
+    c.rl.agent_command = ""  # e.g. "python examples/agents/react_agent.py"
+    c.rl.reward = "environment"  # environment (the verifier) | agent (its reward.json)
+    c.rl.tasks_path = ""  # JSONL, a task a line ("id", "prompt"); "": the environment's
 
     # Harness: budgets that fill a context of rollout.max_seq_len (Config checks that the
     # context budget, two answers and an observation fit in it).

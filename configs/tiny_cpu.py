@@ -108,6 +108,12 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl.group_size = 4
     c.rl.groups_per_step = 4
     c.rl.j_max = 5
+    # Who acts: builtin (the harness) | command (your agent program through the run's
+    # OpenAI door; see README "Bring your own agent"). The rest is for command only.
+    c.rl.agent = "builtin"
+    c.rl.agent_command = ""  # e.g. "python examples/agents/react_agent.py"
+    c.rl.reward = "environment"  # environment (the verifier) | agent (its reward.json)
+    c.rl.tasks_path = ""  # JSONL, a task a line ("id", "prompt"); "": the environment's
 
     # Harness and environment (mini_repo: write the files a short spec describes).
     c.harness = config_dict.ConfigDict()

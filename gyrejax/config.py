@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import shlex
 import types
 import typing
 from collections.abc import Mapping
@@ -37,6 +38,12 @@ ENVIRONMENTS = ("mini_repo",)
 # How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
 # boundary), the Python audit-hook guard only (not a boundary), or bwrap when it works.
 SANDBOXES = ("auto", "bwrap", "python_guard")
+# Who acts in an RL execution: the built-in harness, or the user's agent program
+# (`rl.agent_command`) talking to the run's OpenAI door (gyrejax/harness/external.py).
+AGENTS = ("builtin", "command")
+# Where an external agent's reward comes from: the environment's verifier on its
+# workspace, or the `reward.json` the agent writes there.
+AGENT_REWARDS = ("environment", "agent")
 # model.tokenizer's name for the harness's byte tokenizer (any other value is a path).
 BYTE_TOKENIZER = "bytes"
 
@@ -309,6 +316,14 @@ class RLConfig:
     group_size: int = 4  # executions per task (N).
     groups_per_step: int = 2  # B.
     j_max: int = 5  # admitted root-to-leaf paths per execution.
+    # External agents (see AGENTS, AGENT_REWARDS): the command started per execution
+    # (shell-split, run in its workspace, harness.timeout_s of wall clock), where its
+    # reward comes from, and optionally its tasks (a JSONL file, each line with at least
+    # "id" and "prompt"; default: the environment's).
+    agent: str = "builtin"
+    agent_command: str = ""
+    reward: str = "environment"
+    tasks_path: str = ""
 
     def __post_init__(self):
         _one_of("rl", self, "loss", LOSSES)
@@ -319,6 +334,23 @@ class RLConfig:
                 "rl.clip_low", self.clip_low, "expected < 1 (the ratio is clipped at 1 - clip_low)"
             )
         _positive("rl", self, "group_size", "groups_per_step", "j_max")
+        _one_of("rl", self, "agent", AGENTS)
+        _one_of("rl", self, "reward", AGENT_REWARDS)
+        if self.agent == "command":
+            try:
+                words = shlex.split(self.agent_command)
+            except ValueError as e:
+                _fail("rl.agent_command", self.agent_command, f"not shell-splittable: {e}")
+            if not words:
+                _fail("rl.agent_command", self.agent_command, "empty; rl.agent=command runs it")
+        else:  # what only an external agent uses must not be set silently unused
+            for name, unset in (
+                ("agent_command", ""),
+                ("reward", "environment"),
+                ("tasks_path", ""),
+            ):
+                if getattr(self, name) != unset:
+                    _fail(f"rl.{name}", getattr(self, name), "only with rl.agent=command")
 
 
 @dataclasses.dataclass(frozen=True)

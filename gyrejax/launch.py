@@ -4,7 +4,7 @@ Only flags live here; `run(config, workdir)` does the work and is what tests cal
 Overrides: `--config.model.num_layers=4`; variants: `--config configs/tiny_cpu.py:smoke`.
 Multi-process: `--coordinator HOST:PORT --num_processes P --process_id I` (or a cluster
 JAX detects, e.g. SLURM) starts JAX's distributed runtime first; see `launch/local.sh`,
-`launch/slurm.sbatch` and `gyrejax.distributed`.
+`launch/slurm.sbatch`, `gyrejax.distributed` and `gyrejax.run`.
 """
 
 from __future__ import annotations
@@ -87,9 +87,7 @@ def main(argv: list[str]) -> None:
     from gyrejax import distributed
 
     try:  # explicit flags, or a cluster JAX detects (SLURM, Open MPI, ...); else nothing
-        multi_process = distributed.initialize(
-            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
-        )
+        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     except ValueError as e:
         sys.exit(f"gyrejax.launch: {e}")
     try:  # every process's devices: the cells are split over all of them
@@ -98,21 +96,13 @@ def main(argv: list[str]) -> None:
         sys.exit(f"gyrejax.launch: {e}")
 
     from gyrejax.model.hf_io import CheckpointError
-
-    if multi_process and jax.process_count() > 1:  # process 0 decides, the others follow
-        from gyrejax.distributed.job import run_multiprocess
-
-        try:
-            run_multiprocess(config, _WORKDIR.value)
-        except (ConfigError, CheckpointError) as e:
-            sys.exit(f"gyrejax.launch: process {jax.process_index()}: {e}")
-        return
     from gyrejax.run import run
 
-    try:
+    try:  # one process, or this process's part of several (process 0 decides)
         run(config, _WORKDIR.value)
     except (ConfigError, CheckpointError) as e:
-        sys.exit(f"gyrejax.launch: {e}")
+        where = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+        sys.exit(f"gyrejax.launch: {where}{e}")
 
 
 if __name__ == "__main__":

@@ -122,8 +122,10 @@ def _parse_tail(path: Path, number: int, tail: bytes) -> dict | None:
     if not isinstance(record, dict):
         logger.warning(
             "%s line %d: torn last line (%d bytes) removed before appending",
-            path, number, len(tail),
-        )  # fmt: skip
+            path,
+            number,
+            len(tail),
+        )
         return None
     return record
 

@@ -6,13 +6,24 @@ Stages, in order; each exists only once its module does:
   3. with `config.train.executions_dir`: SFT or RL steps on that execution store on all
      cells, checkpointing into `workdir/checkpoints` and resuming from it
      (`gyrejax.train.loop`); nothing else runs;
-  otherwise (`gyrejax.stages`):
-  4. warm start when `warmup.steps > 0`: demonstrations recorded through the harness,
-     then SFT on them;
-  5. RL for `train.steps` steps (`gyrejax.scheduler.runtime`): the harness runs groups
-     of executions through JAX engines while the policy (`scheduler.policy`) moves cells
+  otherwise:
+  4. warm start when `warmup.steps > 0` (`gyrejax.stages`): demonstrations recorded
+     through the harness, then SFT on them;
+  5. RL for `train.steps` steps (`gyrejax.loop`): the harness runs groups of executions
+     through the cells' engines while the policy (`scheduler.policy`) moves cells
      between rollout and training; with `train.steps = 0`, one rollout batch instead
      (executions stored, mean reward reported).
+The job has one trainer (built once stages 3-5 need one): the warm start trains it, and
+RL goes on with its layout and whatever it compiled that still fits.
+
+Several processes (`launch/local.sh`, a cluster; `_run_processes`): every process splits
+all devices into the same cells and holds those of its local devices; process 0 writes
+`layout.json` (which process holds which cell) and drives, the others follow (gyrejax/
+distributed). Stage 3 is the same store-training loop on process 0 with a trainer whose
+transport reaches the others' cells; for RL the warm start runs on process 0's cells,
+the others start from its result (`workdir/snapshots/start`), serve their cells' engines
+over HTTP and train them when told to. No smoke generations.
+
 Outputs in `workdir`: `layout.json`, `generations.jsonl`; stage 3 `metrics.jsonl`,
 `checkpoints/`, `hf/step_<n>/`; stage 4 `demonstrations/`, `warmup/`; stage 5
 `executions/`, `metrics.jsonl`, `transitions.jsonl`, `dispatch.jsonl`, `checkpoints/`,
@@ -32,35 +43,18 @@ from absl import logging
 from gyrejax import preflight
 from gyrejax.cells import Cell, split_into_cells
 from gyrejax.config import Config, ConfigError
+from gyrejax.distributed import rl as processes
+from gyrejax.distributed.runtime import Decisions, local_cells, owner
+from gyrejax.distributed.transport import MultiProcessTransport
 from gyrejax.harness.sandbox import SandboxUnavailable, choose_sandbox
+from gyrejax.loop import Runtime
 from gyrejax.model import sharding
-from gyrejax.model.hf_io import load_hf
+from gyrejax.model.build import build_model
 from gyrejax.model.sampling import generate
-from gyrejax.model.transformer import Transformer, count_params, init_model
-from gyrejax.scheduler.runtime import Runtime
+from gyrejax.model.transformer import Transformer, count_params
 from gyrejax.stages import rollout_batch, warm_start
 from gyrejax.train.loop import train_on_store
-
-
-def build_model(config: Config, cell: Cell) -> Transformer:
-    """Loads `config.model.hf_checkpoint` or initialises randomly, placed on `cell`.
-
-    Parameters are laid out with the rollout (sampling) rules: at this stage the model
-    only generates.
-    """
-    rules = config.rollout.sharding_rules
-    if config.model.hf_checkpoint:
-        return load_hf(
-            config.model.hf_checkpoint,
-            mesh=cell.mesh,
-            rules=rules,
-            dtype=config.model.dtype,
-            attention=config.model.attention,
-            attention_block_size=config.model.attention_block_size,
-        )
-    model = init_model(config.model)
-    sharding.shard_model(model, cell.mesh, rules)
-    return model
+from gyrejax.train.trainer import ElasticTrainer
 
 
 def run(config: Config, workdir: str) -> dict:
@@ -73,19 +67,22 @@ def run(config: Config, workdir: str) -> dict:
     preflight.check(config, len(jax.devices()))
     out = Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
-    if not config.train.executions_dir:  # agent code will run: harness.sandbox="bwrap"
-        try:  # refuses to start without bubblewrap, before anything is built
+    agents = not config.train.executions_dir and jax.process_index() == 0
+    if agents:  # agent code will run here: harness.sandbox="bwrap" refuses to start
+        try:  # without bubblewrap, before anything is built
             choose_sandbox(config.harness.sandbox)
         except SandboxUnavailable as e:  # "sandbox='bwrap': ..."
             raise ConfigError(f"config.harness.{e}") from e
     cells = split_into_cells(config.cells)
-    core = cells[0]
     logging.info("devices: %d %s", len(jax.devices()), jax.devices()[0].platform)
     for cell in cells:
         logging.info("%s", cell.describe())
+    if jax.process_count() > 1:
+        return _run_processes(config, out, cells)
 
+    core = cells[0]
     start = time.perf_counter()
-    model = build_model(config, core)
+    model = build_model(config.model, core.mesh, config.rollout.sharding_rules)
     params = count_params(model)
     logging.info(
         "model: %d layers, hidden %d, %d params (%s), built in %.1f s",
@@ -105,7 +102,26 @@ def run(config: Config, workdir: str) -> dict:
         "model": {"num_params": params, "num_layers": model.config.num_layers},
     }
     (out / "layout.json").write_text(json.dumps(layout, indent=2))
+    summary = {"layout": layout, "generations": _smoke_generations(config, core, model, out)}
 
+    if config.train.executions_dir:  # offline: train on a stored set, nothing else
+        summary["train"] = train_on_store(config, cells, model, out).summary()
+        return summary
+    trainer = None  # the job's one trainer, once a stage trains
+    if config.warmup.steps:
+        trainer = ElasticTrainer(model, core, rl=config.rl, train=config.train)
+        model = warm_start(config, cells, model, out, trainer=trainer)
+    if config.train.steps:  # RL with the configured scheduling policy
+        if trainer is not None:
+            trainer.begin_phase(rl=config.rl, train=config.train)
+        summary["rl"] = Runtime(config, cells, model, out, trainer=trainer).run()
+    else:  # evaluation only: one batch of executions
+        summary["rollout"] = rollout_batch(config, cells, model, out)
+    return summary
+
+
+def _smoke_generations(config: Config, core: Cell, model: Transformer, out: Path) -> list:
+    """Greedy decoding of `config.generate.prompts` -> `generations.jsonl`."""
     start = time.perf_counter()
     with jax.set_mesh(core.mesh), sharding.axis_rules(config.rollout.sharding_rules):
         results = generate(
@@ -131,15 +147,86 @@ def run(config: Config, workdir: str) -> dict:
                 float(np.mean(result.logprobs)),
             )
     logging.info("generated %d sequences in %.1f s", len(results), elapsed)
-    summary = {"layout": layout, "generations": [r.token_ids for r in results]}
+    return [r.token_ids for r in results]
 
-    if config.train.executions_dir:  # offline: train on a stored set, nothing else
-        summary["train"] = train_on_store(config, cells, model, workdir).summary()
-        return summary
-    if config.warmup.steps:
-        model = warm_start(config, cells, model, out)
-    if config.train.steps:  # RL with the configured scheduling policy
-        summary["rl"] = Runtime(config, cells, model, out).run()
-    else:  # evaluation only: one batch of executions
-        summary["rollout"] = rollout_batch(config, cells, model, out)
-    return summary
+
+def _run_processes(config: Config, out: Path, cells: list[Cell]) -> dict:
+    """This process's part of a multi-process job; returns a summary (process 0's has
+    the run's summary, the others what they did)."""
+    if not config.train.executions_dir and not config.train.steps:
+        raise ConfigError(
+            "config.train.steps=0: a multi-process job trains (RL with train.steps > 0, or "
+            "a stored set with train.executions_dir); run a single rollout batch in one process"
+        )
+    process, leader = jax.process_index(), jax.process_index() == 0
+    for cell in cells:
+        owner(cell)  # raises if a cell spans processes
+    mine = local_cells(cells)
+    if not mine:
+        raise ConfigError(f"process {process} holds no cell: check config.cells.size")
+    logging.info(
+        "process %d of %d: cells %s of %d",
+        *(process, jax.process_count(), [c.index for c in mine], len(cells)),
+    )
+    if leader:
+        layout = {
+            "num_processes": jax.process_count(),
+            "cells": [
+                {"index": c.index, "process": owner(c), "devices": [d.id for d in c.devices]}
+                for c in cells
+            ],
+        }
+        (out / "layout.json").write_text(json.dumps(layout, indent=2))
+    # Built on a cell of this process; identical in every process (same seed or checkpoint).
+    model = build_model(config.model, mine[0].mesh, config.rollout.sharding_rules)
+
+    if config.train.executions_dir:  # the store-training loop on process 0; the rest follow
+        transport = MultiProcessTransport(cells, Decisions(), snapshot_dir=out / "snapshots")
+        trainer = ElasticTrainer(
+            model, cells[0], rl=config.rl, train=config.train, transport=transport
+        )
+        if not leader:
+            for cell in mine:
+                trainer.precompile(cell)
+            return {"process": process, "steps_followed": processes.follow_until_stopped(trainer)}
+        try:
+            result = train_on_store(config, cells, model, out, trainer=trainer)
+        finally:  # followers return from `follow` even if this process fails
+            trainer.stop()
+        return {"process": 0, "step": trainer.step, "last": result.last_metrics}
+
+    start = Decisions("gyrejax/start", timeout_s=processes.FOLLOWER_TIMEOUT_S)
+    # One engine token per run, drawn by process 0 before anything else is handed over.
+    if leader:
+        token = processes.share_engine_token(start)
+    else:
+        token = processes.receive_engine_token(start)
+    trainer = None
+    if leader and config.warmup.steps:  # on process 0's cells, then handed over
+        trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
+        model = warm_start(config, mine, model, out, trainer=trainer)
+        processes.share_start_weights(model, out, start)
+    elif leader:
+        processes.announce_no_start_weights(start)
+    else:
+        model = processes.receive_start_weights(model, start)
+    decisions = Decisions(timeout_s=processes.FOLLOWER_TIMEOUT_S)
+    transport = MultiProcessTransport(cells, decisions, snapshot_dir=out / "snapshots")
+    if trainer is None:
+        trainer = ElasticTrainer(
+            model, cells[0], rl=config.rl, train=config.train, transport=transport
+        )
+    else:
+        trainer.begin_phase(rl=config.rl, train=config.train, transport=transport)
+    if not leader:
+        for cell in mine:  # idle until process 0 needs the engines anyway
+            trainer.precompile(cell)
+        weights_dir = processes.published_dir(out)
+        return processes.serve_and_follow(
+            config, cells, model, trainer, token=token, weights_dir=weights_dir
+        )
+    engines = processes.RemoteCellEngines(config.rollout, decisions, token)
+    try:
+        return Runtime(config, cells, model, out, trainer=trainer, cell_engines=engines).run()
+    finally:  # followers stop serving and return even if this process fails
+        trainer.stop()

@@ -2,7 +2,9 @@
 
 warm_start: demonstrations of the environment's tasks are recorded through the harness
   (`workdir/demonstrations`, an execution store), then the model is trained on them
-  with SFT on every cell (`workdir/warmup`: checkpoints, metrics; resumable).
+  with SFT on every cell (`workdir/warmup`: checkpoints, metrics; resumable). Given the
+  job's trainer, it trains that one (its SFT phase), so RL goes on from its layout and
+  compiled functions.
 rollout_batch: JAX engines on every cell behind one proxy; the harness runs
   `rl.groups_per_step` groups of `rl.group_size` executions; every execution is stored
   in `workdir/executions` as soon as it ends, and the mean reward is reported.
@@ -29,14 +31,28 @@ from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
 from gyrejax.logs import mark
 from gyrejax.model.transformer import Transformer
-from gyrejax.rollout.jax_engine import JaxEngine
+from gyrejax.rollout.factory import make_engine
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.train.loop import train_on_store
+from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import Execution, ExecutionStore
 
 
-def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: Path) -> Transformer:
-    """SFT on demonstrations; returns the model with the trained weights."""
+def warm_start(
+    config: Config,
+    cells: list[Cell],
+    model: Transformer,
+    workdir: Path,
+    *,
+    trainer: ElasticTrainer | None = None,
+) -> Transformer:
+    """SFT on demonstrations; returns the model with the trained weights.
+
+    Args:
+      config, cells, model, workdir: the run (`warmup` holds the SFT settings).
+      trainer: the job's trainer; its SFT phase begins here (default: a new trainer
+        built from `model`).
+    """
     mark("warm_start")  # for benchmarks/chaos.py
     env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
     store = ExecutionStore(workdir / "demonstrations")
@@ -45,22 +61,28 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
             env, config.harness, config.warmup.demonstrations, seed=1, run_seed=config.seed
         )
         start = time.perf_counter()
-        executions = asyncio.run(
-            demonstration_executions(
-                env, tasks, config.harness, workdir / "demonstration_workspaces",
-                seed=config.seed, quality=config.warmup.quality,
-                delegation_prob=config.warmup.delegation_prob,
-                chat=load_chat(config.model.tokenizer),
-            )
-        )  # fmt: skip
+        recorded = demonstration_executions(
+            env,
+            tasks,
+            config.harness,
+            workdir / "demonstration_workspaces",
+            seed=config.seed,
+            quality=config.warmup.quality,
+            delegation_prob=config.warmup.delegation_prob,
+            chat=load_chat(config.model.tokenizer),
+        )
+        executions = asyncio.run(recorded)
         for execution in executions:
             if execution.execution_id not in store:
                 store.put(execution)
-        rewards = [e.reward for e in executions if e.reward is not None]
+        seconds = time.perf_counter() - start
+        reward = float(np.mean([e.reward for e in executions if e.reward is not None]))
         logging.info(
             "recorded %d demonstrations in %.1f s (mean reward %.3f)",
-            len(executions), time.perf_counter() - start, float(np.mean(rewards)),
-        )  # fmt: skip
+            len(executions),
+            seconds,
+            reward,
+        )
     sft = dataclasses.replace(
         config,
         train=dataclasses.replace(
@@ -77,27 +99,30 @@ def warm_start(config: Config, cells: list[Cell], model: Transformer, workdir: P
         # its (and a stored-set config refuses them).
         rollout=dataclasses.replace(config.rollout, vllm_servers=(), engine_servers=()),
     )
-    result = train_on_store(sft, cells, model, workdir / "warmup")
-    logging.info("warm start: %d SFT steps (%s)", result.trainer.step, result.summary()["last"])
+    if trainer is None:
+        trainer = ElasticTrainer(model, cells[0], rl=sft.rl, train=sft.train)
+    else:
+        trainer.begin_phase(rl=sft.rl, train=sft.train)
+    result = train_on_store(sft, cells, model, workdir / "warmup", trainer=trainer)
+    logging.info("warm start: %d SFT steps (%s)", trainer.step, result.summary()["last"])
     mark("warm_start done")
-    return result.trainer.model()
+    return trainer.model()
 
 
-async def _rollout(config: Config, cells: list[Cell], model: Transformer, workdir: Path,
-                   version: int) -> list[Execution]:  # fmt: skip
+async def _rollout(
+    config: Config, cells: list[Cell], model: Transformer, workdir: Path, version: int
+) -> list[Execution]:
     env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
-    engines = [
-        JaxEngine(
-            f"cell{cell.index}", model, cell, max_slots=config.rollout.max_slots,
-            max_seq_len=config.rollout.max_seq_len, rules=config.rollout.sharding_rules,
-            version=version,
-        )
-        for cell in cells
-    ]  # fmt: skip
+    engines = [make_engine(cell, model, config.rollout, version=version) for cell in cells]
     proxy = Proxy(engines)
-    harness = Harness(proxy, config.harness, workdir / "workspaces",
-                      temperature=config.rollout.temperature, environment=env,
-                      chat=load_chat(config.model.tokenizer))  # fmt: skip
+    harness = Harness(
+        proxy,
+        config.harness,
+        workdir / "workspaces",
+        temperature=config.rollout.temperature,
+        environment=env,
+        chat=load_chat(config.model.tokenizer),
+    )
     store = ExecutionStore(workdir / "executions")
     tasks = draw_tasks(env, config.harness, config.rl.groups_per_step, seed=2, run_seed=config.seed)
 
@@ -115,8 +140,9 @@ async def _rollout(config: Config, cells: list[Cell], model: Transformer, workdi
     return [e for g in groups for e in g]
 
 
-def rollout_batch(config: Config, cells: list[Cell], model: Transformer, workdir: Path,
-                  version: int = 0) -> dict:  # fmt: skip
+def rollout_batch(
+    config: Config, cells: list[Cell], model: Transformer, workdir: Path, version: int = 0
+) -> dict:
     """Runs one batch of executions through JAX engines on every cell; returns a summary."""
     start = time.perf_counter()
     executions = asyncio.run(_rollout(config, cells, model, workdir, version))
@@ -136,7 +162,7 @@ def rollout_batch(config: Config, cells: list[Cell], model: Transformer, workdir
     (workdir / "rollout_summary.json").write_text(json.dumps(summary, indent=2))
     logging.info(
         "rollout batch: %d executions, mean reward %.3f, statuses %s, %d calls, %.1f s",
-        len(executions), summary["mean_reward"] or 0.0, statuses, summary["calls"],
+        *(len(executions), summary["mean_reward"] or 0.0, statuses, summary["calls"]),
         summary["seconds"],
-    )  # fmt: skip
+    )
     return summary

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gyrejax.config import HarnessConfig
+from gyrejax.harness.actions import parse_action
 from gyrejax.harness.agent import MAIN_SYSTEM, SUB_SYSTEM, Harness
 from gyrejax.harness.chat import (
     SUMMARY_REQUEST,
@@ -21,7 +22,7 @@ from gyrejax.harness.chat import (
     load_chat,
     tool_call_text,
 )
-from gyrejax.harness.envs.mini_repo import MiniRepoEnv, parse_action
+from gyrejax.harness.envs.mini_repo import MiniRepoEnv
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.trajectory import build_tree, process

@@ -13,18 +13,14 @@ from hypothesis import strategies as st
 
 from gyrejax.config import ENVIRONMENTS
 from gyrejax.harness import envs
-from gyrejax.harness.envs import get_environment, known_environments, register_environment
-from gyrejax.harness.envs.mini_repo import (
-    ACTION_KINDS,
-    MAX_SPEC_BYTES,
-    Action,
+from gyrejax.harness.actions import ACTION_KINDS, Action, format_action, parse_action
+from gyrejax.harness.envs import (
     EvaluationError,
-    MiniRepoEnv,
-    Task,
-    format_action,
-    parse_action,
-    task_checks,
+    get_environment,
+    known_environments,
+    register_environment,
 )
+from gyrejax.harness.envs.mini_repo import MAX_SPEC_BYTES, MiniRepoEnv, Task, task_checks
 from gyrejax.harness.sandbox import Limits, SandboxError, SandboxUnavailable, choose_sandbox
 from gyrejax.harness.workspace import Workspace
 

@@ -23,7 +23,8 @@ from gyrejax.cells import split_into_cells
 from gyrejax.config import CellsConfig, RLConfig
 from gyrejax.model.transformer import init_model
 from gyrejax.rl.objective import MICRO_STEP_FIELDS
-from gyrejax.train.trainer import _FIELD_DTYPES, ElasticTrainer
+from gyrejax.train.trainer import ElasticTrainer
+from gyrejax.trajectory.rows import ROW_FIELDS
 
 # The model, the batches and the cells, shared by this test and its two processes.
 SETUP = """
@@ -79,35 +80,41 @@ jax.config.update("jax_num_cpu_devices", 4)
 from gyrejax.cells import split_into_cells
 from gyrejax.config import CellsConfig, RLConfig
 from gyrejax.distributed import Decisions, initialize
-from gyrejax.distributed.training import DistributedTrainer
+from gyrejax.distributed.transport import MultiProcessTransport
 from gyrejax.model.transformer import init_model
+from gyrejax.train.trainer import ElasticTrainer
 
 process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 assert initialize(f"127.0.0.1:{port}", 2, process_id, timeout_s=120)
 assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 cells = split_into_cells(CellsConfig(**CELLS))
-trainer = DistributedTrainer(
-    init_model(MODEL), cells, rl=RLConfig(), train=TRAIN, decisions=Decisions(timeout_s=300),
-    snapshot_dir=f"{out}/snapshots",
+transport = MultiProcessTransport(
+    cells, Decisions(timeout_s=300), snapshot_dir=f"{out}/snapshots"
 )
-trainer.precompile()
-compiled = trainer.trainer.compile_count
+trainer = ElasticTrainer(
+    init_model(MODEL), cells[0], rl=RLConfig(), train=TRAIN, transport=transport,
+    keep_last_grads=True,
+)
+for cell in cells:
+    trainer.precompile(cell)
+compiled = trainer.compile_count
 record = {"steps": []}
 if process_id == 0:
     arrays = {}
     for step, training in enumerate(PLAN):
-        for index in [i for i in trainer.training if i not in training]:
-            trainer.release(index)
-        for index in [i for i in training if i not in trainer.training]:
-            trainer.join(index)
+        indices = [c.index for c in trainer.training]
+        for index in [i for i in indices if i not in training]:
+            trainer.release(cells[index])
+        for index in [i for i in training if i not in indices]:
+            trainer.join(cells[index])
         claims = []
 
         def on_micro_step(m, cell):  # leave the other process's satellites room to claim
             claims.append(m)
             if MID_STEP_JOIN.get(step) is not None and len(claims) == 1:
-                trainer.join(MID_STEP_JOIN[step])
+                trainer.join(cells[MID_STEP_JOIN[step]])
                 deadline = time.time() + 60  # hold the core until the newcomer claims one
-                while trainer.decisions.claimed(f"step/{step + 1}/claimed") <= len(claims):
+                while transport.decisions.claimed(f"step/{step + 1}/claimed") <= len(claims):
                     assert time.time() < deadline, "the satellite never claimed"
                     time.sleep(0.05)
             time.sleep(0.1)
@@ -118,7 +125,7 @@ if process_id == 0:
             "loss": report.metrics["loss"], "grad_norm": report.metrics["grad_norm"],
             "version": report.version, "joins": [j.cell for j in report.joins],
         })
-        flat = jax.tree_util.tree_flatten_with_path(trainer.trainer.params)[0]
+        flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]
         arrays.update({f"params{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in flat})
         grads = jax.tree_util.tree_flatten_with_path(trainer.last_grads)[0]
         arrays.update({f"grads{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in grads})
@@ -127,7 +134,7 @@ if process_id == 0:
 else:
     while (done := trainer.follow()) is not None:
         record["steps"].append(done)
-record["compiles_after_precompile"] = trainer.trainer.compile_count - compiled
+record["compiles_after_precompile"] = trainer.compile_count - compiled
 with open(f"{out}/process{process_id}.json", "w") as f:
     json.dump(record, f)
 jax.distributed.shutdown()
@@ -180,7 +187,7 @@ def plain_gradient_sum(trainer: ElasticTrainer, batch) -> dict[str, np.ndarray]:
     acc = zeros()
     for m in range(batch.num_micro_steps):
         rows = {
-            f: np.asarray(getattr(batch, f)[m : m + 1], _FIELD_DTYPES[f]) for f in MICRO_STEP_FIELDS
+            f: np.asarray(getattr(batch, f)[m : m + 1], ROW_FIELDS[f]) for f in MICRO_STEP_FIELDS
         }
         rows = jax.device_put(rows, trainer._row_sharding(trainer.core))
         acc, _, _ = micro_step(trainer.params, None, acc, rows, np.int32(trainer.version))

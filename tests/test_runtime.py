@@ -23,10 +23,10 @@ from test_trajectory_store import rewrite_header, set_field
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
 from gyrejax.harness.sandbox import sandbox_summary
+from gyrejax.loop import PublishedWeights, Runtime
 from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.policies import IDLE_CAUSES
-from gyrejax.scheduler.runtime import PublishedWeights, Runtime
 from gyrejax.trajectory import ExecutionStore, generate_executions
 
 

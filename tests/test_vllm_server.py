@@ -21,11 +21,11 @@ from test_vllm_engine import MAX_SEQ_LEN, PROMPTS, reference, run, write_checkpo
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import from_dict
+from gyrejax.loop import Runtime
 from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
-from gyrejax.scheduler.runtime import Runtime
 from gyrejax.serve.vllm_server_engine import (
     VllmServerEngine,
     kill_server_process,

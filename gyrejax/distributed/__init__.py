@@ -1,5 +1,6 @@
-"""Multi-process gyrejax: JAX's distributed runtime, process 0's decisions, and elastic
-training whose satellites live in other processes (see runtime.py and training.py)."""
+"""Multi-process gyrejax: JAX's distributed runtime and process 0's decisions
+(runtime.py), the trainer's transport across processes (transport.py), and what an RL
+run adds across processes (rl.py)."""
 
 from gyrejax.distributed.runtime import (
     Decision,

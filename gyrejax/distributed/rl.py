@@ -1,9 +1,11 @@
-"""The RL loop across processes.
+"""The RL loop across processes: what each process adds to a one-process run.
 
-Process 0 runs the `Runtime` (scheduling policy, harness, proxy, trajectory processing,
-and the core cell with the optimizer state) over the cells of every process. Every other
-process serves a `JaxEngine` per cell it holds over HTTP (`EngineServer`) and keeps a
-satellite of `DistributedTrainer` on each, following process 0's decisions:
+Process 0 runs the RL loop (`gyrejax.loop.Runtime`: scheduling policy, harness, proxy,
+trajectory processing, and the core cell with the optimizer state) over the cells of
+every process, with `RemoteCellEngines` for the cells' engines and a trainer whose
+transport is `MultiProcessTransport`. Every other process serves an engine per cell it
+holds over HTTP (`EngineServer`) and keeps a satellite of the same trainer on each,
+following process 0's steps (`serve_and_follow`):
 
   * rollout role: process 0's proxy reaches the engine by URL (`HttpEngine`), so a
     remote cell takes part in routing, draining (export + re-submit across hosts),
@@ -43,15 +45,15 @@ from absl import logging
 from flax import nnx
 
 from gyrejax.cells import Cell
-from gyrejax.config import Config
-from gyrejax.distributed.runtime import Decisions, owner
-from gyrejax.distributed.training import DistributedTrainer
+from gyrejax.config import Config, RolloutConfig
+from gyrejax.distributed.runtime import Decisions, local_cells, owner
 from gyrejax.model.transformer import Transformer
-from gyrejax.rollout.jax_engine import JaxEngine
-from gyrejax.scheduler.runtime import Runtime
+from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.factory import make_engine
 from gyrejax.serve.engine_server import EngineServer
 from gyrejax.serve.http_engine import HttpEngine
 from gyrejax.train.checkpoint import abstract_like, restore_weights, save_weights
+from gyrejax.train.trainer import ElasticTrainer
 
 # Followers may wait this long for process 0 (a warm start, hours of rollout between
 # two steps); if process 0 dies, the coordinator goes with it and the wait fails at once.
@@ -122,88 +124,31 @@ def published_dir(workdir: Path) -> Path:
 # --- process 0 --------------------------------------------------------------------------
 
 
-class _LeaderTrainer:
-    """Process 0's `DistributedTrainer` behind the `ElasticTrainer` methods that
-    `Runtime` calls (cells by object, weights and counters of the core)."""
-
-    def __init__(self, distributed: DistributedTrainer):
-        self.distributed = distributed
-        self.elastic = distributed.trainer
-
-    @property
-    def step(self) -> int:
-        return self.elastic.step
-
-    @property
-    def version(self) -> int:
-        return self.elastic.version
-
-    @property
-    def params(self):
-        return self.elastic.params
-
-    @property
-    def training(self) -> list[Cell]:
-        return [self.distributed.cells[i] for i in self.distributed.training]
-
-    def model(self) -> Transformer:
-        return self.elastic.model()
-
-    def join(self, cell: Cell) -> None:
-        self.distributed.join(cell.index)
-
-    def release(self, cell: Cell) -> None:
-        self.distributed.release(cell.index)
-
-    def train_step(self, batch):
-        return self.distributed.train_step(batch)
-
-    def save(self, checkpointer, metadata: dict) -> None:
-        self.elastic.save(checkpointer, metadata)
-
-    def restore(self, checkpointer) -> dict:
-        return self.elastic.restore(checkpointer)
-
-
-class DistributedRuntime(Runtime):
-    """`Runtime` on process 0 of a multi-process job (see the module docstring).
+class RemoteCellEngines:
+    """Process 0's cell engines for the RL loop (`gyrejax.loop.CellEngines`): a local
+    engine for each of its own cells, an `HttpEngine` for another process's (its URL from
+    the key-value store, where the follower posted it; every request carries the run's
+    token).
 
     Args:
-      config, cells, workdir: as for `Runtime` (`cells`: every process's cells).
-      trainer: process 0's side of the job's `DistributedTrainer`.
-      engine_token: the token the other processes' engine servers require.
+      config: the rollout section.
+      decisions: the trainer's channel (`MultiProcessTransport.decisions`).
+      token: the run's engine token.
     """
 
-    def __init__(
-        self,
-        config: Config,
-        cells: list[Cell],
-        trainer: DistributedTrainer,
-        workdir: Path,
-        *,
-        engine_token: str,
-    ):
-        self._distributed = trainer
-        self._engine_token = engine_token
-        super().__init__(config, cells, trainer.trainer.model(), workdir)
+    def __init__(self, config: RolloutConfig, decisions: Decisions, token: str):
+        self.config = config
+        self.decisions = decisions
+        self.token = token
 
-    def _make_trainer(self, model: Transformer) -> _LeaderTrainer:
-        del model  # the distributed trainer was built from it already
-        return _LeaderTrainer(self._distributed)
-
-    async def _start_engines(self) -> None:
+    async def __call__(self, cell: Cell, model: Transformer, version: int) -> Engine:
+        if owner(cell) == jax.process_index():
+            return make_engine(cell, model, self.config, version=version, precompile=True)
         loop = asyncio.get_running_loop()
-        decisions = self._distributed.decisions
-        for cell in self.cells:
-            if owner(cell) == 0:
-                self.engines[cell.index] = self._new_engine(cell)
-                continue
-            url = await loop.run_in_executor(None, decisions.get_json, engine_key(cell.index))
-            engine = await HttpEngine.connect(url, token=self._engine_token)
-            if engine.version != self.trainer.version:  # a resumed run
-                await engine.update_weights(await self._weights_for(engine), self.trainer.version)
-            self.engines[cell.index] = engine
-            logging.info("cell %d: engine %s at %s", cell.index, engine.name, url)
+        url = await loop.run_in_executor(None, self.decisions.get_json, engine_key(cell.index))
+        engine = await HttpEngine.connect(url, token=self.token)
+        logging.info("cell %d: engine %s at %s", cell.index, engine.name, url)
+        return engine
 
 
 # --- the other processes ----------------------------------------------------------------
@@ -213,58 +158,50 @@ def serve_and_follow(
     config: Config,
     cells: list[Cell],
     model: Transformer,
-    trainer: DistributedTrainer,
+    trainer: ElasticTrainer,
     *,
     token: str,
     weights_dir: Path,
 ) -> dict:
     """A follower's whole job: serves an engine per local cell (requiring `token`,
-    loading weights only from `weights_dir`) and carries out process 0's training
-    decisions until it stops; returns what it did."""
-    return asyncio.run(_serve_and_follow(config, cells, model, trainer, token, weights_dir))
+    loading weights only from `weights_dir`) and takes part in process 0's training
+    steps until it stops; returns what it did."""
 
-
-async def _serve_and_follow(
-    config, cells, model, trainer: DistributedTrainer, token: str, weights_dir: Path
-) -> dict:
-    r = config.rollout
-    host = advertised_host()
-    servers: list[EngineServer] = []
-    summary = {"process": jax.process_index(), "steps_followed": 0, "cells": []}
-    try:
-        for index, cell in sorted(trainer.local.items()):
-            engine = JaxEngine(
-                f"cell{index}",
-                model,
-                cell,
-                max_slots=r.max_slots,
-                max_seq_len=r.max_seq_len,
-                rules=r.sharding_rules,
-                version=trainer.trainer.version,
+    async def serve() -> dict:
+        host = advertised_host()
+        servers: list[EngineServer] = []
+        summary = {"process": jax.process_index(), "steps_followed": 0, "cells": []}
+        decisions = trainer.transport.decisions
+        try:
+            for cell in local_cells(cells):
+                engine = make_engine(cell, model, config.rollout, version=trainer.version)
+                server = EngineServer(engine, token=token, weights_dir=weights_dir)
+                servers.append(server)
+                url = await server.start(host, 0)
+                decisions.put_json(engine_key(cell.index), url)
+                summary["cells"].append(cell.index)
+                logging.info(
+                    "cell %d: serving engine %s at %s (token required; weights from %s only)",
+                    cell.index,
+                    engine.name,
+                    url,
+                    server.weights_dir,
+                )
+            loop = asyncio.get_running_loop()
+            summary["steps_followed"] = await loop.run_in_executor(
+                None, follow_until_stopped, trainer
             )
-            server = EngineServer(engine, token=token, weights_dir=weights_dir)
-            servers.append(server)
-            url = await server.start(host, 0)
-            trainer.decisions.put_json(engine_key(index), url)
-            summary["cells"].append(index)
-            logging.info(
-                "cell %d: serving engine %s at %s (token required; weights from %s only)",
-                index,
-                engine.name,
-                url,
-                server.weights_dir,
-            )
-        loop = asyncio.get_running_loop()
-        summary["steps_followed"] = await loop.run_in_executor(None, _follow, trainer)
-    finally:
-        for server in servers:
-            await server.stop()
-            await server.engine.shutdown()
-    return summary
+        finally:
+            for server in servers:
+                await server.stop()
+                await server.engine.shutdown()
+        return summary
+
+    return asyncio.run(serve())
 
 
-def _follow(trainer: DistributedTrainer) -> int:
-    """Carries out training decisions until process 0 stops; returns the steps taken part in."""
+def follow_until_stopped(trainer: ElasticTrainer) -> int:
+    """Takes part in process 0's steps until it stops; returns the steps taken part in."""
     steps = 0
     while (done := trainer.follow()) is not None:
         steps += bool(done["cells"])

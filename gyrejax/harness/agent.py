@@ -38,8 +38,7 @@ from absl import logging
 
 from gyrejax.config import HarnessConfig
 from gyrejax.harness.chat import ByteChat
-from gyrejax.harness.envs import get_environment
-from gyrejax.harness.envs.mini_repo import EvaluationError
+from gyrejax.harness.envs import EvaluationError, get_environment
 from gyrejax.harness.workspace import Workspace
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import SamplingParams
@@ -114,7 +113,7 @@ class Harness:
         """Runs one execution to its end and returns its record (never raises for agent
         or tool behaviour)."""
         self.proxy.dispatch(execution_id)
-        workspace = Workspace(self.workdir / _safe_name(execution_id))
+        workspace = Workspace(self.workdir / workspace_name(execution_id))
         run = _Run(execution_id, task, workspace, seed)
         status = "finished"
         try:
@@ -139,19 +138,10 @@ class Harness:
         )
 
     async def _score(self, run: _Run, status: str) -> tuple[float | None, str, int]:
-        if run.workspace.is_empty():
-            return 0.0, "no_artifact", 0
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                score = await asyncio.to_thread(self.env.score, run.task, run.workspace.root)
-                return score.reward, status, attempts
-            except EvaluationError as e:
-                logging.warning("evaluation of %s failed (attempt %d): %s", run.execution_id,
-                                attempts, e)  # fmt: skip
-                if attempts >= self.config.eval_retry_budget:
-                    return None, "eval_failed", attempts
+        return await score_workspace(
+            self.env, run.task, run.workspace, status, run.execution_id,
+            self.config.eval_retry_budget,
+        )  # fmt: skip
 
     # --- agents ----------------------------------------------------------------------------
 
@@ -248,7 +238,27 @@ class Harness:
         return data[: limit - 3].decode("utf-8", errors="ignore") + "..."
 
 
-def _safe_name(execution_id: str) -> str:
+async def score_workspace(
+    env, task, workspace: Workspace, status: str, execution_id: str, retry_budget: int
+) -> tuple[float | None, str, int]:
+    """(reward, status, attempts) of a finished workspace by the environment's hidden
+    checks: an empty one is `no_artifact`; an evaluation that errors is retried up to
+    `retry_budget` times, then `eval_failed`. Shared by the built-in and external agents."""
+    if workspace.is_empty():
+        return 0.0, "no_artifact", 0
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            score = await asyncio.to_thread(env.score, task, workspace.root)
+            return score.reward, status, attempts
+        except EvaluationError as e:
+            logging.warning("evaluation of %s failed (attempt %d): %s", execution_id, attempts, e)
+            if attempts >= retry_budget:
+                return None, "eval_failed", attempts
+
+
+def workspace_name(execution_id: str) -> str:
     """A directory name for an execution id."""
     keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in execution_id)
     return f"{keep[:80]}-{zlib.crc32(execution_id.encode()):08x}"

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from gyrejax.config import BYTE_TOKENIZER
 from gyrejax.harness import tokenizer as tok
-from gyrejax.harness.envs.mini_repo import Action, parse_action
+from gyrejax.harness.actions import Action, parse_action
 from gyrejax.serve.chat import HfChatTemplate, Message, ToolCall, split_tool_calls
 
 # The agent's tools in the HF format (OpenAI function specs, passed to the template).

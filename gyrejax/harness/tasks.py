@@ -3,13 +3,20 @@
 With `harness.task_pool = K > 0` every task is drawn from one pool of K tasks (fixed by
 the run seed), so demonstrations and RL see the same tasks again: a tiny model can learn
 them within a CPU budget. With 0, every draw samples new tasks.
+
+External agents (`rl.agent = command`) may instead take their tasks from a JSONL file
+(`rl.tasks_path`; `load_task_file`, `draw_file_task`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import numpy as np
 
-from gyrejax.config import HarnessConfig
+from gyrejax.config import ConfigError, HarnessConfig
 
 
 def draw_tasks(env, config: HarnessConfig, n: int, *, seed: int, run_seed: int = 0) -> list:
@@ -19,3 +26,71 @@ def draw_tasks(env, config: HarnessConfig, n: int, *, seed: int, run_seed: int =
         picks = np.random.default_rng([run_seed, seed]).integers(0, len(pool), n)
         return [pool[i] for i in picks]
     return env.sample_tasks(n, seed=seed, difficulty=config.difficulty)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTask:
+    """A task from `rl.tasks_path`: `data` is its whole JSON line (the agent gets it as
+    GYREJAX_TASK); `env_task` the environment's own task, when the line names one (for
+    `rl.reward = environment`)."""
+
+    task_id: str
+    spec: str
+    data: dict
+    env_task: object = None
+
+
+def load_task_file(path: str, env=None) -> list[FileTask]:
+    """The tasks of a JSONL file; with `env`, each line is also resolved to the
+    environment's task (`env.task_from_dict`), so its verifier can score it.
+
+    Raises:
+      ConfigError: one line naming rl.tasks_path, the line and what is wrong.
+    """
+    where = f"config.rl.tasks_path={path!r}"
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
+    tasks = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: line {n} is not JSON ({e.msg})") from None
+        if not isinstance(data, dict) or not all(
+            isinstance(data.get(k), str) and data[k] for k in ("id", "prompt")
+        ):
+            raise ConfigError(
+                f'{where}: line {n}: expected an object with string "id" and "prompt"'
+            )
+        env_task = None
+        if env is not None:
+            if not hasattr(env, "task_from_dict"):
+                raise ConfigError(
+                    f"{where}: environment {env.name!r} cannot score file tasks; use "
+                    "rl.reward=agent"
+                )
+            try:
+                env_task = env.task_from_dict(data)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(f"{where}: line {n}: not a {env.name} task ({e})") from None
+        tasks.append(FileTask(data["id"], data["prompt"], data, env_task))
+    if not tasks:
+        raise ConfigError(f"{where}: no tasks in it")
+    return tasks
+
+
+def draw_file_task(tasks: list[FileTask], *, seed: int, run_seed: int = 0) -> FileTask:
+    """One task of a file for the group seeded `seed` (deterministic, like draw_tasks)."""
+    return tasks[int(np.random.default_rng([run_seed, seed]).integers(0, len(tasks)))]
+
+
+def task_json(task) -> str:
+    """The task as the agent sees it (GYREJAX_TASK): a file task's own line, else the
+    environment task's id and prompt."""
+    if isinstance(task, FileTask):
+        return json.dumps(task.data)
+    return json.dumps({"id": task.task_id, "prompt": task.spec})

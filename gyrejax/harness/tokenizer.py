@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 PAD, BOS, EOT, SYSTEM, USER, ASSISTANT, TOOL, SUMMARIZE = range(8)
-SPECIAL_NAMES = ("<pad>", "<bos>", "<eot>", "<system>", "<user>", "<assistant>", "<tool>",
-                 "<summarize>")  # fmt: skip
+SPECIAL_NAMES = tuple(f"<{n}>" for n in "pad bos eot system user assistant tool summarize".split())
 BYTE_OFFSET = len(SPECIAL_NAMES)
 VOCAB_SIZE = BYTE_OFFSET + 256
 

@@ -16,18 +16,8 @@ import jax.numpy as jnp
 from gyrejax.config import RLConfig
 from gyrejax.model.transformer import Transformer
 from gyrejax.rl.losses import TokenTerms, get_loss, kl_to_reference
+from gyrejax.trajectory.rows import MICRO_STEP_FIELDS  # noqa: F401 (the fields `rows` holds)
 
-# Packed-row fields a micro-step needs (PackedBatch attribute names), all [R, L].
-MICRO_STEP_FIELDS = (
-    "tokens",
-    "positions",
-    "subtree_end",
-    "pred_index",
-    "loss_weight",
-    "advantage",
-    "behavior_logprob",
-    "version",
-)
 # Metrics combined across micro-steps and cells by max; all others are summed.
 MAX_METRICS = ("ratio_max", "staleness_max")
 
@@ -37,7 +27,7 @@ def token_logprobs(model: Transformer, rows: dict[str, jax.Array]) -> tuple[jax.
 
     Args:
       model: the policy.
-      rows: packed fields (see MICRO_STEP_FIELDS), each [R, L].
+      rows: the packed fields of `MICRO_STEP_FIELDS` (gyrejax.trajectory.rows), each [R, L].
 
     Returns:
       logprob float32[R, L] of `tokens` and entropy float32[R, L]; arbitrary (finite) where

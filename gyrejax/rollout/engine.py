@@ -11,8 +11,20 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
+from collections.abc import Mapping
+from typing import Any
 
 from gyrejax.rollout.types import Completion, LiveRequest, Request
+
+# What `Engine.update_weights` takes. One of:
+HfCheckpoint = str | os.PathLike
+"""An HF checkpoint directory (config.json + safetensors, as `hf_io.export_hf` writes
+it), read by the engine's own host: how weights reach an engine in another process."""
+Params = Mapping[str, Any]
+"""Parameters in this process: an nnx pure dict of arrays laid out like the engine's
+model (a trainer's `params`), or an nnx State (a mapping too)."""
+Weights = Params | HfCheckpoint
 
 
 class Engine(abc.ABC):
@@ -21,6 +33,10 @@ class Engine(abc.ABC):
     name: str
     # Whether `export` includes the KV cache (a JAX engine can; vLLM re-submits).
     exports_kv: bool = False
+    # Whether `update_weights` takes only an `HfCheckpoint`: an engine reached by URL, or
+    # one that loads from disk; arrays of this process do not reach it. The RL loop
+    # then hands it an HF export per version (`gyrejax.loop.PublishedWeights`).
+    weights_by_path: bool = False
 
     @property
     @abc.abstractmethod
@@ -54,8 +70,13 @@ class Engine(abc.ABC):
         """Ends a request; its future resolves with finish_reason "cancelled"."""
 
     @abc.abstractmethod
-    async def update_weights(self, weights, version: int) -> None:
-        """Loads new weights between decode steps; later tokens carry `version`."""
+    async def update_weights(self, weights: Weights, version: int) -> None:
+        """Loads new weights between decode steps; later tokens carry `version`.
+
+        Raises:
+          TypeError: `weights` is a kind this engine does not take (`weights_by_path`).
+          ValueError: they do not fit the engine's model.
+        """
 
     @abc.abstractmethod
     async def release_memory(self) -> None:
@@ -72,6 +93,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stops the engine; pending requests fail with `EngineError`."""
+
+    async def precompiled(self) -> None:  # noqa: B027 (a default: nothing to wait for)
+        """Returns once the engine compiled what it compiles ahead of need (at once for
+        an engine that compiles nothing here)."""
 
     async def generate(self, request: Request) -> Completion:
         """Submits and awaits one request."""

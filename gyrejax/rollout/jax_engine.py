@@ -58,7 +58,7 @@ from gyrejax.model import sharding
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import bucket_length, sample_per_slot
 from gyrejax.model.transformer import KVCache, Transformer
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 
 MAX_STOP_IDS = 8  # stop ids per request checked on device
@@ -135,9 +135,11 @@ class JaxEngine(Engine):
         self.decode_steps = decode_steps
         if cell is None:
             mesh = jax.make_mesh(
-                (1, 1), ("fsdp", "tensor"), (jax.sharding.AxisType.Auto,) * 2,
+                (1, 1),
+                ("fsdp", "tensor"),
+                (jax.sharding.AxisType.Auto,) * 2,
                 devices=jax.devices()[:1],
-            )  # fmt: skip
+            )
         else:
             mesh = cell.mesh
         self.mesh = mesh
@@ -177,9 +179,15 @@ class JaxEngine(Engine):
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._buckets = length_buckets(max_seq_len)
         self._signature = (
-            self.graphdef, self.config, mesh, tuple(map(tuple, rules)), max_slots,
-            max_seq_len, decode_steps, *jax.tree.leaves(self._abstract_params),
-        )  # fmt: skip
+            self.graphdef,
+            self.config,
+            mesh,
+            tuple(map(tuple, rules)),
+            max_slots,
+            max_seq_len,
+            decode_steps,
+            *jax.tree.leaves(self._abstract_params),
+        )
         self._precompile = precompile
         self._compile_all = compile_all
         self._ready = threading.Event()  # serving
@@ -221,8 +229,9 @@ class JaxEngine(Engine):
         return running + [item[0].request.request_id for item in list(self._waiting)]
 
     def submit(self, request: Request) -> asyncio.Future[Completion]:
-        live = LiveRequest(request, np.zeros(0, np.int32), np.zeros(0, np.float32),
-                           np.zeros(0, np.int32), None, ())  # fmt: skip
+        live = LiveRequest(
+            request, np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), None, ()
+        )
         return self.import_request(live)
 
     def import_request(self, live: LiveRequest) -> asyncio.Future[Completion]:
@@ -247,8 +256,9 @@ class JaxEngine(Engine):
     def cancel(self, request_id: str) -> None:
         self._post(lambda: self._cancel(request_id))
 
-    async def update_weights(self, weights, version: int) -> None:
-        """`weights`: an nnx pure dict of parameters, an nnx State, or an HF directory."""
+    async def update_weights(self, weights: Weights | nnx.Module, version: int) -> None:
+        """`weights`: parameters (a pure dict or an nnx State), an HF directory, or a
+        model whose parameters to take."""
         if isinstance(weights, str | bytes) or hasattr(weights, "__fspath__"):
             weights = load_hf(weights)
         if isinstance(weights, nnx.Module):
@@ -459,8 +469,11 @@ class JaxEngine(Engine):
         self.ready_s = time.perf_counter() - self._started_at
         logging.info(
             "engine %s serves after %.1f s (%d executables compiled, length buckets %s)",
-            self.name, self.ready_s, self.compile_count, self._buckets,
-        )  # fmt: skip
+            self.name,
+            self.ready_s,
+            self.compile_count,
+            self._buckets,
+        )
         with self._pending_changed:
             self._pending = ahead + (buckets if self._compile_all else [])
         self._compiler = threading.Thread(
@@ -479,9 +492,12 @@ class JaxEngine(Engine):
                             self.precompile_s = time.perf_counter() - self._started_at
                             logging.info(
                                 "engine %s: precompiled after %.1f s (%d executables, %.1f "
-                                "s compiling)", self.name, self.precompile_s,
-                                self.compile_count, self.compile_s,
-                            )  # fmt: skip
+                                "s compiling)",
+                                self.name,
+                                self.precompile_s,
+                                self.compile_count,
+                                self.compile_s,
+                            )
                             self._precompiled.set()
                         self._pending_changed.wait()
                     if self._stopping:
@@ -533,8 +549,9 @@ class JaxEngine(Engine):
                     self.compile_s += elapsed
                 serving = self._ready.is_set() and threading.current_thread() is self._thread
                 if serving and self._precompile:  # a shape the precompile did not foresee
-                    logging.warning("engine %s compiled %s while serving (%.1f s)",
-                                    self.name, key, elapsed)  # fmt: skip
+                    logging.warning(
+                        "engine %s compiled %s while serving (%.1f s)", self.name, key, elapsed
+                    )
         self._executables[key] = executable
         return executable
 
@@ -552,10 +569,9 @@ class JaxEngine(Engine):
         def host(shape, dtype):  # arrays the engine passes from NumPy
             return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
 
-        def sampling(n):  # see `_sampling_arrays`
-            return (host((n,), jnp.float32), host((n,), jnp.int32), host((n,), jnp.float32),
-                    host((n,), jnp.int32), host((n,), jnp.int32), host((n,), jnp.int32),
-                    host((n, MAX_STOP_IDS), jnp.int32))  # fmt: skip
+        def sampling(n):  # see `_sampling_arrays`: six values per slot, then stop ids
+            per_slot = (jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.int32, jnp.int32)
+            return (*(host((n,), d) for d in per_slot), host((n, MAX_STOP_IDS), jnp.int32))
 
         kind, *rest = key
         if kind == "cache":
@@ -576,8 +592,14 @@ class JaxEngine(Engine):
                 fn, donate_argnums=(2,), out_shardings=(rep, rep, rep, self._cache_shardings)
             )
             s = self.max_slots
-            args = (params, host((s,), jnp.int32), cache, host((s,), jnp.bool_), *sampling(s),
-                    host((), jnp.int32))  # fmt: skip
+            args = (
+                params,
+                host((s,), jnp.int32),
+                cache,
+                host((s,), jnp.bool_),
+                *sampling(s),
+                host((), jnp.int32),
+            )
         elif kind == "export":
             (length,) = rest
             jitted = jax.jit(functools.partial(_read_rows, length), out_shardings=rep)
@@ -703,9 +725,13 @@ class JaxEngine(Engine):
         tokens[0, :n] = context
         arrays = self._sampling_arrays([index])
         token, logprob, self._cache = prefill(
-            self._params, tokens, np.array([n], np.int32), np.array([index], np.int32),
-            self._cache, *arrays[:5],
-        )  # fmt: skip
+            self._params,
+            tokens,
+            np.array([n], np.int32),
+            np.array([index], np.int32),
+            self._cache,
+            *arrays[:5],
+        )
         slot.length = n
         token, logprob = jax.device_get((token, logprob))
         reason = self._emit(index, int(token[0]), float(logprob[0]))
@@ -760,9 +786,13 @@ class JaxEngine(Engine):
             return False
         arrays = self._sampling_arrays(list(range(self.max_slots)))
         tokens, logprobs, emitted, self._cache = found[0](
-            self._params, self._next_token.copy(), self._cache, active, *arrays,
+            self._params,
+            self._next_token.copy(),
+            self._cache,
+            active,
+            *arrays,
             np.int32(self.max_seq_len),
-        )  # fmt: skip
+        )
         tokens, logprobs, emitted = jax.device_get((tokens, logprobs, emitted))
         for step in range(self.decode_steps):
             for i in np.flatnonzero(emitted[step]):
@@ -823,8 +853,14 @@ class JaxEngine(Engine):
                 live, future, loop = item
                 with self._load_lock:
                     self._load -= 1
-                empty = Completion(request_id, live.output_ids, live.logprobs, live.versions,
-                                   "cancelled", (*live.engines, self.name))  # fmt: skip
+                empty = Completion(
+                    request_id,
+                    live.output_ids,
+                    live.logprobs,
+                    live.versions,
+                    "cancelled",
+                    (*live.engines, self.name),
+                )
                 loop.call_soon_threadsafe(_resolve, future, empty)
 
 
@@ -864,8 +900,9 @@ def _write_rows(length: int, cache: KVCache, ks, vs, slot, n) -> KVCache:
     return KVCache(k, v, cache.lengths.at[slot].set(n))
 
 
-def _prefill(graphdef, params, tokens, lengths, slots, cache, temperature, top_k, top_p, seed,
-             index):  # fmt: skip
+def _prefill(
+    graphdef, params, tokens, lengths, slots, cache, temperature, top_k, top_p, seed, index
+):
     """Prefills prompts into cache slots and samples each one's next token."""
     model = nnx.merge(graphdef, params)
     logits, cache = model.prefill(tokens, lengths, slots, cache)
@@ -873,8 +910,23 @@ def _prefill(graphdef, params, tokens, lengths, slots, cache, temperature, top_k
     return token, logprob, cache
 
 
-def _decode_steps(graphdef, num_steps, attend_len, params, tokens, cache, active, temperature,
-                  top_k, top_p, seed, index, max_new, stops, max_len):  # fmt: skip
+def _decode_steps(
+    graphdef,
+    num_steps,
+    attend_len,
+    params,
+    tokens,
+    cache,
+    active,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    index,
+    max_new,
+    stops,
+    max_len,
+):
     """`num_steps` decode steps; returns tokens, log-probs and emitted masks [K, S]."""
     model = nnx.merge(graphdef, params)
 

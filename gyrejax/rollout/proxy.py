@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from absl import logging
 
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import (
     Completion,
     EngineError,
@@ -278,8 +278,12 @@ class Proxy:
                 self._mark_failed(state, str(error))
                 logging.warning(
                     "request %s failed on %s (%s); attempt %d of %d",
-                    request.request_id, engine.name, error, attempts, self.max_attempts,
-                )  # fmt: skip
+                    request.request_id,
+                    engine.name,
+                    error,
+                    attempts,
+                    self.max_attempts,
+                )
                 if attempts >= self.max_attempts:
                     raise
                 live = None  # start again from the prompt on another engine
@@ -395,7 +399,9 @@ class Proxy:
             raise NoEngineError(f"no engine can take the requests of {exclude!r}")
         return min(candidates, key=lambda s: s.occupancy)
 
-    async def update_weights(self, weights, version: int, names: Iterable[str] | None = None):
+    async def update_weights(
+        self, weights: Weights, version: int, names: Iterable[str] | None = None
+    ) -> None:
         """Publishes new weights to the given (default: all live) engines concurrently."""
         targets = [
             s.engine

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 
 Respond = Callable[[np.ndarray, Request], Sequence[int]]
@@ -119,7 +119,7 @@ class ScriptedEngine(Engine):
             self._pending[request_id][1].cancel()
             self._complete(request_id, "cancelled")
 
-    async def update_weights(self, weights, version: int) -> None:
+    async def update_weights(self, weights: Weights, version: int) -> None:
         self._version = version
 
     async def release_memory(self) -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 
 # vLLM treats temperatures below this as greedy (vllm.sampling_params._SAMPLING_EPS).
@@ -58,10 +58,10 @@ _VLLM_GREEDY_BELOW = 1e-5
 _SEED_STRIDE = 0x9E3779B1
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 # config.json fields a weight update must keep.
-_SHAPE_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-)  # fmt: skip
+_SHAPE_FIELDS = tuple(
+    "model_type vocab_size hidden_size intermediate_size num_hidden_layers "
+    "num_attention_heads num_key_value_heads head_dim tie_word_embeddings".split()
+)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value=None, error=None):
@@ -144,6 +144,11 @@ class VllmEngine(Engine):
     """
 
     exports_kv = False
+
+    @property
+    def weights_by_path(self) -> bool:
+        """In-memory weights only with `weight_transfer="ipc"` (GPU)."""
+        return self.weight_transfer != "ipc"
 
     def __init__(
         self,
@@ -273,7 +278,7 @@ class VllmEngine(Engine):
         if not self._closed:
             self._loop.call_soon_threadsafe(self._end, request_id, "cancelled")
 
-    async def update_weights(self, weights, version: int) -> None:
+    async def update_weights(self, weights: Weights, version: int) -> None:
         """Loads new weights in place; requests in flight continue under them.
 
         Args:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 from collections.abc import Callable, Sequence
 
 
@@ -152,9 +153,20 @@ def register_policy(name: str):
 
 def make_policy(name: str, **kwargs) -> Policy:
     """A new policy object (policies may keep state across decisions)."""
+    return _factory(name)(**kwargs)
+
+
+def policy_options(name: str, **options) -> dict:
+    """The `options` that policy `name` takes (the others are left out), so one set of
+    options serves every policy: e.g. `training_cells` only matters to "async"."""
+    accepted = inspect.signature(_factory(name)).parameters
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+def _factory(name: str) -> Callable[..., Policy]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
 
 
 def known_policies() -> tuple[str, ...]:
@@ -259,6 +271,8 @@ class Colocate:
     next burst is dispatched.
     """
 
+    label = "colocate"
+
     def __call__(self, view: View) -> Decision:
         if any(c.switching for c in view.cells):
             return Decision()
@@ -298,6 +312,7 @@ class Async:
         _check_option("async", "lookahead", lookahead, _LOOKAHEADS)
         self.training_cells = training_cells
         self.lookahead = lookahead
+        self.label = f"async({training_cells})"  # the split names an async run
 
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)
@@ -366,6 +381,8 @@ class Elastic:
         self.keep_cell = keep_cell
         self.backlog_steps = backlog_steps
         self._burst_seen = -1
+
+    label = "elastic"
 
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)

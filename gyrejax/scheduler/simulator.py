@@ -2,8 +2,8 @@
 
 It runs the very policy objects the runtime runs (`policies.make_policy`) over modelled
 executions, so cluster-scale claims (hours of rollout, dozens of cells) can be checked on
-one machine in a second. The driver rules are the runtime's (gyrejax/scheduler/runtime.py
-and the policies.py docstring):
+one machine in a second. The driver rules are the runtime's (`driver.Driver`, which both
+keep, and the policies.py docstring):
 
   * after every event the policy sees a `View` and its `Decision` is carried out: first
     `dispatch` new groups (in sequence order, so every policy runs the same executions of
@@ -71,15 +71,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from gyrejax.scheduler.driver import Driver, Schedule
 from gyrejax.scheduler.policies import (
     IDLE_CAUSES,
-    CellView,
     Policy,
     Role,
     View,
-    gate_allowance,
     make_policy,
-    step_groups,
+    policy_options,
 )
 
 HOUR = 3600.0
@@ -503,14 +502,22 @@ class Simulator:
             raise ValueError(f"trace shape {self.trace.duration_s.shape}, expected {expected}")
         k, n = config.cells, config.group_size
         self.now = 0.0
-        # Cells.
-        self.roles = [Role.ROLLOUT] * k
-        self.switching = [False] * k
+        # Cells: roles, switches and bursts as the runtime keeps them.
+        self.driver = Driver(
+            Schedule(
+                cells=k,
+                capacity=config.capacity,
+                group_size=n,
+                groups_per_step=config.groups_per_step,
+                mu=config.mu,
+                phi=config.phi,
+                max_staleness=config.max_staleness,
+                groups_total=self.trace.groups,
+            )
+        )
         self.serving = [True] * k  # its slots count in the rollout pool
         self.in_trainer = [False] * k
         self.leaving = [False] * k
-        self._cell_views: tuple[CellView, ...] | None = None  # rebuilt when a role changes
-        self.pending: collections.deque[tuple[int, Role]] = collections.deque()
         self.current: list | None = None  # [cell, role, phase ("wait"/"switch"), end]
         # Executions: id = seq * N + member.
         total = self.trace.groups * n
@@ -534,10 +541,6 @@ class Simulator:
         self.over_stale = 0
         # Training.
         self.version = 0
-        self.rollout_version = 0
-        self.burst = 0
-        self.steps_in_burst = 0
-        self.burst_base = (0, 0, 0)
         self.step_work = 0.0  # cell-seconds left in the running step
         self.step_cells: set[int] = set()
         self.step_running = False
@@ -546,7 +549,6 @@ class Simulator:
         self.rollout_busy = 0.0
         self.train_busy = 0.0
         self.idle = dict.fromkeys(IDLE_CAUSES, 0.0)
-        self.gate_closed = False  # the gate allowed no dispatch at the last decision
         self.transition_counts = collections.Counter()
         self.dispatched_at: list[float] = []
         self.finished_at = np.full(total, np.nan)
@@ -613,42 +615,23 @@ class Simulator:
             for _ in range(decision.dispatch):
                 acted |= self._dispatch_group()
             for index, role in decision.transitions:
-                acted |= self._request_transition(index, role)
+                acted |= self.driver.request_transition(index, role)
             self._start_transition()
             acted |= self._maybe_start_step()
             quiet = 0 if acted else quiet + 1
             if quiet == 2:
-                gate = gate_allowance(self._view())
-                self.gate_closed = gate is not None and gate <= 0
+                self.driver.note_gate(self._view())
                 return
         raise SimulationError(f"policy keeps acting at t={self.now:.1f}: {decision}")
 
     def _view(self) -> View:
-        c = self.config
-        d0, p0, f0 = self.burst_base
-        d, p, f = self.totals
-        if self._cell_views is None:
-            self._cell_views = tuple(
-                CellView(i, self.roles[i], self.switching[i], c.capacity) for i in range(c.cells)
-            )
-        return View(
-            now=self.now,
-            cells=self._cell_views,
-            group_size=c.group_size,
-            groups_per_step=c.groups_per_step,
-            steps_per_burst=c.mu,
-            lookahead_bursts=c.phi,
-            burst=self.burst,
-            dispatched=d - d0,
-            started=p - p0,
-            finished=f - f0,
-            executions_in_flight=d - f,
+        return self.driver.view(
+            self.now,
+            self.totals,
             groups_in_flight=sum(self.in_flight_versions.values()),
             groups_ready=len(self.ready),
-            steps_in_burst=self.steps_in_burst,
+            groups_dispatched=self.next_seq,
             step_running=self.step_running,
-            groups_remaining=self.trace.groups - self.next_seq,
-            max_staleness=c.max_staleness,
         )
 
     # --- time ---------------------------------------------------------------------------------
@@ -687,7 +670,7 @@ class Simulator:
         if self.next_seq >= self.trace.groups:
             self.idle["tail"] += dt * (free_slots + trainer_idle)
         else:
-            cause = "gate" if self.gate_closed else "other"
+            cause = "gate" if self.driver.gate_closed else "other"
             self.idle[cause] += dt * free_slots
             self.idle["train_wait"] += dt * trainer_idle
         if self.step_running:
@@ -707,10 +690,10 @@ class Simulator:
         seq = self.next_seq
         self.next_seq += 1
         n = self.config.group_size
-        self.group_version.append(self.rollout_version)
+        self.group_version.append(self.driver.rollout_version)
         self.dispatched_at.append(self.now)
         self.group_left.append(n)
-        self.in_flight_versions[self.rollout_version] += 1
+        self.in_flight_versions[self.driver.rollout_version] += 1
         for member in range(n):
             e = seq * n + member
             self.state[e] = _WAITING
@@ -760,19 +743,10 @@ class Simulator:
 
     # --- transitions --------------------------------------------------------------------------
 
-    def _request_transition(self, index: int, role: Role) -> bool:
-        if self.switching[index] or self.roles[index] is role:
-            return False
-        self.switching[index] = True
-        self.roles[index] = role  # the View shows the target role while switching
-        self._cell_views = None
-        self.pending.append((index, role))
-        return True
-
     def _start_transition(self) -> None:
-        if self.current is not None or not self.pending:
+        if self.current is not None or not self.driver.pending:
             return
-        cell, role = self.pending.popleft()
+        cell, role, _ = self.driver.next_transition()
         self.timeline.append((self.now, cell, "switching"))
         self._switch_start = self.now
         if role is Role.TRAINING:
@@ -801,8 +775,7 @@ class Simulator:
         )
         self.switch_log.append((cell, f"to_{role.value}", self._switch_start, self.now, wait))
         self.current = None
-        self.switching[cell] = False
-        self._cell_views = None
+        self.driver.finish_transition(cell)
         self.timeline.append((self.now, cell, role.value))
         self.transition_counts[f"to_{role.value}"] += 1
         if role is Role.TRAINING:
@@ -818,16 +791,12 @@ class Simulator:
 
     def _maybe_start_step(self) -> bool:
         c = self.config
-        if self.step_running or self.roles[0] is not Role.TRAINING or self.switching[0]:
+        if not self.driver.step_may_start(self.step_running):
             return False
-        if len(self.ready) < c.groups_per_step:
-            return False
-        chosen = step_groups(
+        chosen = self.driver.choose_groups(
             [self.group_version[s] for s in self.ready],
             list(self.in_flight_versions.elements()),
             self.version,
-            c.groups_per_step,
-            c.max_staleness,
         )
         if chosen is None:
             return False
@@ -838,10 +807,10 @@ class Simulator:
             staleness = self.version - self.group_version[seq]
             self.trained.append(seq)
             self.staleness.append(staleness)
-            self.over_stale += c.max_staleness is not None and staleness > c.max_staleness
+            self.over_stale += self.driver.over_stale(staleness)
         # A cell already queued to return to rollout does not start a new step: it leaves
         # at this boundary instead of holding its switch (and the queue) for a whole step.
-        returning = {i for i, role in self.pending if role is Role.ROLLOUT}
+        returning = self.driver.returning()
         self.step_cells = {i for i in range(c.cells) if self.in_trainer[i] and i not in returning}
         self.step_running = True
         self._step_start = (self.now, float(self.trace.tokens[groups].sum()), len(self.step_cells))
@@ -861,7 +830,6 @@ class Simulator:
         self.step_running = False
         self.step_work = 0.0
         self.version += 1
-        self.steps_in_burst += 1
         self.step_end.append(self.now)
         start, tokens, cells = self._step_start
         self.step_log.append((start, self.now, tokens, len(self.step_cells), cells))
@@ -871,43 +839,21 @@ class Simulator:
         self.step_cells = set()
         if self.current is not None and self.current[2] == "wait":
             self.current[2:] = ["switch", self.now + c.to_rollout_s]
-        if self.steps_in_burst >= c.mu:  # publish; a new burst begins
-            self.rollout_version = self.version
-            self.burst += 1
-            self.steps_in_burst = 0
-            self.burst_base = tuple(self.totals)
+        if self.driver.step_done():  # publish; a new burst begins
+            self.driver.begin_burst(self.totals, self.version)
 
     def _stuck_message(self) -> str:
-        roles = "".join(
-            "s" if self.switching[i] else self.roles[i].value[0].upper()
-            for i in range(self.config.cells)
-        )
+        roles = self.driver.roles_text()
         return (
-            f"t={self.now:.1f}s step {self.version}/{self.config.steps} burst {self.burst} "
+            f"t={self.now:.1f}s step {self.version}/{self.config.steps} burst {self.driver.burst} "
             f"roles {roles} ready {len(self.ready)} running {len(self.running)} "
             f"waiting {len(self.waiting)} dispatched groups {self.next_seq} "
             f"capacity {self._capacity()} step_running {self.step_running}"
         )
 
 
-def policy_kwargs(name: str, **options) -> dict:
-    """Keyword arguments of `make_policy` for a policy name (options of other policies
-    are dropped, so one options dict can serve every policy)."""
-    accepted = {
-        "colocate": (),
-        "async": ("training_cells", "lookahead"),
-        "elastic": ELASTIC_OPTIONS,
-    }.get(name, tuple(options))
-    return {k: v for k, v in options.items() if k in accepted}
-
-
-ELASTIC_OPTIONS = ("min_rollout_cells", "lookahead", "core_stays", "keep_cell", "backlog_steps")
-
-
 def simulate(config: SimConfig, policy: str, trace: Trace | None = None, **options) -> SimResult:
-    """Runs one policy by name (`options` as in `policy_kwargs`) and returns its result."""
-    instance = make_policy(policy, **policy_kwargs(policy, **options))
-    label = policy
-    if policy == "async" and "training_cells" in options:
-        label = f"async({options['training_cells']})"
-    return Simulator(config, instance, trace, name=label).run()
+    """Runs one policy by name (`options`: those it does not take are left out, as in
+    `policies.policy_options`) and returns its result, labelled by the policy."""
+    instance = make_policy(policy, **policy_options(policy, **options))
+    return Simulator(config, instance, trace, name=getattr(instance, "label", policy)).run()

@@ -493,9 +493,11 @@ def define_limit_flags() -> None:
 
     default = Limits()
     flags.DEFINE_float(
-        "header_timeout_s", default.header_timeout_s, "Close a connection whose request "
-        "head is not complete within this time (slow or silent clients)."
-    )  # fmt: skip
+        "header_timeout_s",
+        default.header_timeout_s,
+        "Close a connection whose request head is not complete within this time "
+        "(slow or silent clients).",
+    )
     flags.DEFINE_float(
         "body_timeout_s", default.body_timeout_s, "A request body must arrive within this time."
     )

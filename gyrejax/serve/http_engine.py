@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from absl import logging
 
-from gyrejax.rollout.engine import Engine
+from gyrejax.rollout.engine import Engine, Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 from gyrejax.serve import wire
 from gyrejax.serve.http import ENGINE_TOKEN_ENV
@@ -61,6 +61,7 @@ class HttpEngine(Engine):
     """
 
     exports_kv = False
+    weights_by_path = True  # arrays do not travel over HTTP: the host reads an HF export
 
     def __init__(
         self,
@@ -155,7 +156,7 @@ class HttpEngine(Engine):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def update_weights(self, weights, version: int) -> None:
+    async def update_weights(self, weights: Weights, version: int) -> None:
         """Loads weights from an HF checkpoint directory, by path.
 
         Args:

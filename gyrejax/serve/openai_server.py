@@ -99,6 +99,15 @@ AGENT_HEADER = "X-Gyrejax-Agent"
 ROLE_HEADER = "X-Gyrejax-Role"
 
 
+class StoredMeanwhile(FileExistsError):
+    """A record with this execution's id was stored while it ran: the stored one is
+    kept; `execution` is this one, not stored."""
+
+    def __init__(self, execution: Execution):
+        super().__init__(f"execution {execution.execution_id!r} was stored meanwhile")
+        self.execution = execution
+
+
 @dataclasses.dataclass
 class _Execution:
     """Server-side state of one execution."""
@@ -257,23 +266,16 @@ class OpenAIServer(Site):
             return
         self._execution_of(request)
 
-    # --- executions -----------------------------------------------------------------------
+    # --- executions in process (the RL loop's external agents; the handlers too) -------------
 
-    async def _health(self, *_) -> web.Response:
-        return web.json_response({"ok": True})
+    def open_execution(self, execution_id: str, task_id: str = "", group_id: str = "") -> str:
+        """Opens an execution and returns its key (counted dispatched in the proxy).
 
-    async def _models(self, *_) -> web.Response:
-        model = {"id": self.model_name, "object": "model", "owned_by": "gyrejax", "created": 0}
-        return web.json_response({"object": "list", "data": [model]})
-
-    async def _start_execution(self, _, body: dict, __) -> web.Response:
-        execution_id = wire.as_str(
-            get(body, "execution_id", default=f"x-{uuid.uuid4().hex[:16]}"), "execution_id"
-        )
-        if not execution_id:
-            raise FieldError("execution_id", "empty")
-        task_id = wire.as_str(get(body, "task_id", default=""), "task_id")
-        group_id = wire.as_str(get(body, "group_id", default=execution_id), "group_id")
+        Raises:
+          HttpError: 409 if the id is open or already stored; 429 past
+            `max_open_executions`.
+        """
+        group_id = group_id or execution_id
         if execution_id in self._executions:
             raise HttpError(
                 409,
@@ -302,6 +304,70 @@ class OpenAIServer(Site):
         self._executions[execution_id] = state
         self._by_key[_digest(key)] = state
         self.proxy.dispatch(execution_id)
+        return key
+
+    async def close_execution(
+        self,
+        execution_id: str,
+        status: str = "finished",
+        reward: float | None = None,
+        eval_attempts: int = 0,
+        error: str = "",
+    ) -> Execution:
+        """Ends an open execution: voids its key, cancels its requests in flight, returns
+        its record and stores it (if the server has a store; never over a stored one).
+
+        Raises:
+          KeyError: no open execution has this id.
+          StoredMeanwhile: a record with this id was stored meanwhile (kept; this one
+            is not stored, it is on the error).
+        """
+        state = self._executions.pop(execution_id)
+        del self._by_key[_digest(state.key)]  # no new requests from here on
+        self.proxy.cancel_execution(execution_id)
+        try:
+            await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
+        except TimeoutError:
+            logging.warning(
+                "execution %s: %d requests still in flight at finish",
+                execution_id,
+                state.in_flight,
+            )
+        execution = Execution(
+            execution_id=execution_id,
+            task_id=state.task_id,
+            group_id=state.group_id,
+            calls=self.proxy.finish(execution_id),
+            status=status,
+            reward=reward,
+            eval_attempts=eval_attempts,
+            error=error,
+        )
+        if self.store is not None:  # durable before we answer: a crash loses nothing
+            try:  # never over a stored record (put refuses atomically)
+                await asyncio.to_thread(self.store.put, execution)
+            except FileExistsError:
+                raise StoredMeanwhile(execution) from None
+        return execution
+
+    # --- executions over HTTP -------------------------------------------------------------
+
+    async def _health(self, *_) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _models(self, *_) -> web.Response:
+        model = {"id": self.model_name, "object": "model", "owned_by": "gyrejax", "created": 0}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _start_execution(self, _, body: dict, __) -> web.Response:
+        execution_id = wire.as_str(
+            get(body, "execution_id", default=f"x-{uuid.uuid4().hex[:16]}"), "execution_id"
+        )
+        if not execution_id:
+            raise FieldError("execution_id", "empty")
+        task_id = wire.as_str(get(body, "task_id", default=""), "task_id")
+        group_id = wire.as_str(get(body, "group_id", default=execution_id), "group_id")
+        key = self.open_execution(execution_id, task_id, group_id)
         return web.json_response({"execution_id": execution_id, "api_key": key})
 
     async def _execution_status(self, _, __, state: _Execution) -> web.Response:
@@ -322,49 +388,29 @@ class OpenAIServer(Site):
         attempts = as_int(get(body, "eval_attempts", default=0), "eval_attempts", lo=0, hi=2**31)
         if self._executions.get(state.execution_id) is not state:  # finished meanwhile
             raise HttpError(
-                401, "Authorization: execution key of a finished execution",
-                "authentication_error", "Authorization",
-            )  # fmt: skip
-        # No new requests from here on: the key is void.
-        del self._executions[state.execution_id]
-        del self._by_key[_digest(state.key)]
-        self.proxy.cancel_execution(state.execution_id)
-        try:
-            await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
-        except TimeoutError:
-            logging.warning(
-                "execution %s: %d requests still in flight at finish",
-                state.execution_id,
-                state.in_flight,
+                401,
+                "Authorization: execution key of a finished execution",
+                "authentication_error",
+                "Authorization",
             )
-        execution = Execution(
-            execution_id=state.execution_id,
-            task_id=state.task_id,
-            group_id=state.group_id,
-            calls=self.proxy.finish(state.execution_id),
-            status=status,
-            reward=reward,
-            eval_attempts=attempts,
-        )
+        try:
+            execution = await self.close_execution(state.execution_id, status, reward, attempts)
+        except StoredMeanwhile as e:
+            logging.error(
+                "execution %s: a record with this id was stored while it ran; the "
+                "stored one is kept, this one is returned to the client only",
+                state.execution_id,
+            )
+            raise HttpError(
+                409,
+                f"execution_id: {state.execution_id!r} was stored by another writer "
+                "while it ran; the stored record is kept and this one is NOT stored "
+                "(it is in this answer under 'execution')",
+                "conflict",
+                "execution_id",
+                extra={"execution": wire.execution_to_json(e.execution)},
+            ) from None
         record = wire.execution_to_json(execution)
-        if self.store is not None:  # durable before we answer: a crash loses nothing
-            try:  # never over a stored record (put refuses atomically)
-                await asyncio.to_thread(self.store.put, execution)
-            except FileExistsError:
-                logging.error(
-                    "execution %s: a record with this id was stored while it ran; the "
-                    "stored one is kept, this one is returned to the client only",
-                    execution.execution_id,
-                )
-                raise HttpError(
-                    409,
-                    f"execution_id: {execution.execution_id!r} was stored by another writer "
-                    "while it ran; the stored record is kept and this one is NOT stored "
-                    "(it is in this answer under 'execution')",
-                    "conflict",
-                    "execution_id",
-                    extra={"execution": record},
-                ) from None
         return web.json_response(record)
 
     # --- completions ----------------------------------------------------------------------

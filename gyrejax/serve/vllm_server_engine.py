@@ -44,6 +44,7 @@ import aiohttp
 import numpy as np
 from absl import logging
 
+from gyrejax.rollout.engine import Weights
 from gyrejax.rollout.types import Completion, EngineError, LiveRequest, Request, RequestMigrated
 from gyrejax.rollout.vllm_engine import check_request, sampling_fields
 from gyrejax.serve.http_engine import _NETWORK_ERRORS, HttpEngine
@@ -228,7 +229,7 @@ class VllmServerEngine(HttpEngine):
         stream.ending = "cancelled"
         self._in_background(self._abort(stream))
 
-    async def update_weights(self, weights, version: int) -> None:
+    async def update_weights(self, weights: Weights, version: int) -> None:
         """Reloads the server's weights in place from an HF checkpoint directory.
 
         Args:

@@ -243,6 +243,7 @@ def execution_to_json(execution: Execution) -> dict:
         "status": execution.status,
         "reward": execution.reward,
         "eval_attempts": execution.eval_attempts,
+        "error": execution.error,
         "calls": [call_to_json(c) for c in execution.calls],
     }
 

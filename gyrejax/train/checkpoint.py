@@ -209,8 +209,11 @@ class TrainCheckpointer:
         os.rename(path, aside)
         logging.warning(
             "checkpoint %s is unreadable (%s): moved aside to %s; resuming from step %d",
-            path, why, aside.name, fallback,
-        )  # fmt: skip
+            path,
+            why,
+            aside.name,
+            fallback,
+        )
 
     def close(self) -> None:
         self._manager.close()

@@ -1,7 +1,10 @@
 """Training steps on a stored set of executions (SFT or RL), with checkpoints and resume.
 
-`train_on_store` is what `launch` runs when `config.train.executions_dir` is set: every
-cell trains (no rollout in this mode). Each step takes `rl.groups_per_step` groups from
+`train_on_store` is the one store-training loop: what `launch` runs when
+`config.train.executions_dir` is set, and the warm start's SFT. Every cell trains (no
+rollout in this mode); across processes the same loop runs on process 0 with a trainer
+whose transport reaches the other processes' cells, while they follow its steps
+(`ElasticTrainer.follow`). Each step takes `rl.groups_per_step` groups from
 the execution store in a fixed order (cycling), processes them into a packed batch
 (admission seeded by `seed + step`, so a resumed run makes the same batches), and runs
 one elastic training step. Checkpoints go to `workdir/checkpoints` every
@@ -34,6 +37,22 @@ from gyrejax.trajectory import ExecutionStore, PackedBatch, process
 from gyrejax.trajectory.process import check_execution
 
 
+def process_options(config: Config, step: int) -> dict:
+    """The arguments of `trajectory.process` for the step after `step` steps: the one
+    place they are taken from the config (row shape, vocabulary, evaluation budget,
+    admission, advantages). Admission is seeded by `seed + step`, so a resumed run
+    makes the same batches."""
+    return dict(
+        row_length=config.train.row_length,
+        vocab_size=config.model.vocab_size,
+        eval_retry_budget=config.harness.eval_retry_budget,
+        j_max=config.rl.j_max,
+        seed=config.seed + step,
+        advantage=config.rl.advantage,
+        rows_per_micro_step=config.train.rows_per_micro_step,
+    )
+
+
 def batch_at(
     config: Config, store: ExecutionStore, group_ids: list[str], position: int, step: int
 ) -> tuple[PackedBatch, list[str]]:
@@ -49,19 +68,10 @@ def batch_at(
     skipped: list[str] = []
     by_group = store.groups(list(dict.fromkeys(groups)), skipped=skipped)
     executions = [ex for g in dict.fromkeys(groups) for ex in by_group[g]]
-    limits = dict(
-        row_length=config.train.row_length,
-        vocab_size=config.model.vocab_size,
-        eval_retry_budget=config.harness.eval_retry_budget,
-    )
-    options = dict(
-        j_max=config.rl.j_max,
-        seed=config.seed + step,
-        advantage=config.rl.advantage,
-        rows_per_micro_step=config.train.rows_per_micro_step,
-    )
+    options = process_options(config, step)
+    limits = {k: options[k] for k in ("row_length", "vocab_size", "eval_retry_budget")}
     try:
-        return process(executions, **limits, **options), skipped
+        return process(executions, **options), skipped
     except ValueError:
         usable = []
         for ex in executions:
@@ -74,7 +84,7 @@ def batch_at(
                 usable.append(ex)
         if len(usable) == len(executions):
             raise  # not one execution's fault
-    return process(usable, **limits, **options), skipped
+    return process(usable, **options), skipped
 
 
 def _metrics_record(
@@ -134,14 +144,30 @@ class StoreTraining:
 
     def summary(self) -> dict:
         t = self.trainer
-        return {"steps_run": self.steps_run, "step": t.step, "version": t.version,
-                "last": self.last_metrics}  # fmt: skip
+        return dict(
+            steps_run=self.steps_run, step=t.step, version=t.version, last=self.last_metrics
+        )
 
 
 def train_on_store(
-    config: Config, cells: list[Cell], model: Transformer, workdir: str | Path
+    config: Config,
+    cells: list[Cell],
+    model: Transformer,
+    workdir: str | Path,
+    *,
+    trainer: ElasticTrainer | None = None,
 ) -> StoreTraining:
-    """Runs `config.train.steps` steps on `config.train.executions_dir`; resumes if it can."""
+    """Runs `config.train.steps` steps on `config.train.executions_dir`; resumes if it can.
+
+    Args:
+      config: the run (`train.executions_dir`, steps, loss, checkpoints).
+      cells: every cell (all of them train).
+      model: the starting policy.
+      workdir: metrics, checkpoints and HF exports go here.
+      trainer: the trainer to train, at the start of this phase (the warm start hands
+        over the job's one trainer; across processes it has their transport); default:
+        a new one on `cells[0]` built from `model`.
+    """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if not Path(config.train.executions_dir).is_dir():
@@ -154,10 +180,11 @@ def train_on_store(
         raise ConfigError(
             f"config.train.executions_dir={config.train.executions_dir}: no readable executions"
         )
-    trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
+    if trainer is None:
+        trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
     for cell in cells[1:]:  # every cell trains in this mode; compile before the first step
         trainer.join(cell)
-        trainer.precompile(cell)
+        trainer.precompile(cell)  # (another process compiles its own cells)
     checkpointer = TrainCheckpointer(workdir / "checkpoints", config.checkpoint)
     position = 0
     if checkpointer.latest_step() is not None:

@@ -1,18 +1,32 @@
 """The elastic trainer: a core cell plus satellites that join and leave between steps.
 
-One training step consumes one packed batch (`gyrejax.trajectory.PackedBatch`). Its
-micro-steps form a shared queue; every cell in TRAINING runs a worker thread that claims
-micro-steps greedily and accumulates gradients against the step's frozen weights. A
-satellite may join while a step runs (`join`): it pulls the weights from the core cell
-device-to-device and starts claiming. At the end of the step the per-cell gradient sums
-are reduced onto the core (`CrossCellReducer`, cached per set of cells), the optimizer
-(the only optimizer state lives on the core) updates the weights, and the version goes
-up by one. Because the batch weights are normalised over the whole batch, the result
-does not depend on which cells took part or when they joined (up to float summation
-order). Satellites released with `release` leave at the next step boundary.
+One training step consumes one packed batch (`gyrejax.trajectory.PackedBatch`). Read
+`train_step` top to bottom; it is the one implementation of a step:
+
+  1. open: the step's plan (number, version, cells, micro-steps) is announced and every
+     satellite that starts it pulls the core's weights, frozen for the step;
+  2. claim: every cell in TRAINING runs a worker thread (`_work`) that claims
+     micro-steps from one shared queue, runs its compiled micro-step and accumulates
+     gradients; a satellite may join while the step runs (`join`): it pulls the weights
+     and starts claiming;
+  3. reduce: the gradient sums of the cells that took part are summed onto the core
+     (`CrossCellReducer`, cached per set of cells);
+  4. skip or update: a non-finite micro-step skips the update; otherwise the optimizer
+     (its only state lives on the core) updates the weights and the version goes up;
+  5. report: a `StepReport`; satellites released with `release` leave at this boundary.
+
+Because the batch weights are normalised over the whole batch, the result does not
+depend on which cells took part or when they joined (up to float summation order).
+
+How steps are announced, micro-steps claimed, weights pulled and results exchanged is a
+`Transport` (`gyrejax.train.transport`): in one process (the default) or across
+processes (`gyrejax.distributed.transport`), where process 0 drives `train_step` and
+the others run `follow`, the same step from a follower's side.
 
 Every function that runs on a cell is compiled ahead of time once per cell and kept, so
-a satellite that leaves and rejoins never recompiles (`compile_count` proves it).
+a satellite that leaves and rejoins never recompiles (`compile_count` proves it). A new
+training phase on the same weights (`begin_phase`: RL after the warm start) keeps the
+layout and whatever compiled function still fits.
 """
 
 from __future__ import annotations
@@ -34,10 +48,22 @@ from gyrejax.cells import Cell
 from gyrejax.config import RLConfig, TrainConfig
 from gyrejax.model import sharding
 from gyrejax.model.transformer import Transformer
-from gyrejax.rl.objective import MAX_METRICS, MICRO_STEP_FIELDS, micro_step_loss, token_logprobs
+from gyrejax.rl.objective import MAX_METRICS, micro_step_loss, token_logprobs
 from gyrejax.train.checkpoint import TrainCheckpointer, abstract_like
 from gyrejax.train.reduction import CrossCellReducer
+from gyrejax.train.transport import (
+    CellResult,
+    InProcessTransport,
+    JoinReport,
+    ParamLayout,
+    StepExchange,
+    StepPlan,
+    Transport,
+)
 from gyrejax.trajectory import PackedBatch
+from gyrejax.trajectory.rows import MICRO_STEP_FIELDS, ROW_FIELDS
+
+__all__ = ["ElasticTrainer", "JoinReport", "LeaveReport", "StepReport", "make_optimizer"]
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -46,16 +72,6 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         optax.clip_by_global_norm(config.max_grad_norm),
         optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinReport:
-    """How long a satellite took to become useful after joining a running step."""
-
-    cell: int
-    weight_pull_s: float  # snapshot copied from the core, device to device
-    compile_s: float  # 0 when the cell's step was already compiled
-    first_micro_step_s: float | None  # claim to gradients ready; None if it got none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,44 +100,20 @@ class StepReport:
     step_s: float
 
 
-class _MicroStepQueue:
-    """Greedy, thread-safe claiming of micro-step indices."""
-
-    def __init__(self, num: int):
-        self._next = 0
-        self._num = num
-        self._lock = threading.Lock()
-
-    def claim(self) -> int | None:
-        with self._lock:
-            if self._next >= self._num:
-                return None
-            self._next += 1
-            return self._next - 1
-
-
-@dataclasses.dataclass
-class _CellResult:
-    grads: object = None
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    micro_steps: int = 0
-    first_bad_micro_step: int | None = None
-    join: JoinReport | None = None
-    error: BaseException | None = None
-
-
 class ElasticTrainer:
     """Trains a model on the core cell with satellites as extra data-parallel replicas.
 
     Args:
-      model: the policy; its weights are copied onto the core cell.
+      model: the policy; its weights are copied onto the core cell (by the train rules).
       core: cell 0, which keeps the authoritative weights and the optimizer state.
       rl: loss configuration.
       train: optimizer, row shape and sharding rules.
-      owns_core: False in a process that does not hold the core cell (multi-process
-        training, `gyrejax.distributed`): nothing is placed on the core and there is no
-        optimizer state; the process only compiles and runs its own satellites, with
-        the KL reference (if any) kept on the host.
+      transport: how the cells share a step (default: every cell in this process). In a
+        process that does not hold the core (a follower of a multi-process job) nothing
+        is placed on the core and there is no optimizer state; it compiles and runs its
+        own satellites, with the KL reference (if any) kept on the host.
+      keep_last_grads: keep the reduced gradient sum of the last step (`last_grads`; for
+        tests and debugging: it holds a gradient-sized buffer between steps).
     """
 
     def __init__(
@@ -131,57 +123,105 @@ class ElasticTrainer:
         *,
         rl: RLConfig,
         train: TrainConfig,
-        owns_core: bool = True,
+        transport: Transport | None = None,
+        keep_last_grads: bool = False,
     ):
-        self.rl = rl
-        self.train_config = train
-        self.rules = train.sharding_rules
         self.core = core
+        self.transport = transport or InProcessTransport()
         # Parameters as a pure nested dict of arrays (nnx.merge accepts it directly).
         self.graphdef, state = nnx.split(model)
-        self._specs = sharding.partition_specs(state, core.mesh, self.rules)
         params = nnx.to_pure_dict(state)
-        self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self.optimizer = make_optimizer(train)
-        self.reference = None
-        self.version = 0
-        self.step = 0
-        self.compile_count = 0
-        self.training: list[Cell] = [core]
-        self._compiled: dict[int, tuple[Callable, Callable]] = {}
+        self.rules = train.sharding_rules
+        self.layout = ParamLayout(
+            sharding.partition_specs(state, core.mesh, self.rules),
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+        )
+        self.transport.bind(self.layout, core)
+        self.owns_core = self.transport.holds(core)
+        self.params = None
+        if self.owns_core:
+            self.params = jax.device_put(params, self.param_shardings(core))
+        self.keep_last_grads = keep_last_grads
+        self.last_grads = None
+        self._compiles = 0
+        self._compiled: dict[tuple, Callable] = {}  # micro-steps, by cell and objective
+        self._zeros: dict[int, Callable] = {}  # gradient accumulators, by cell
         self._compile_lock = threading.Lock()
         self._reducers: dict[tuple[int, ...], CrossCellReducer] = {}
-        self._update = None
         self._run: _StepRun | None = None
         self._pending_release: dict[int, float] = {}  # cell -> time release was asked
         self._state_lock = threading.Lock()
-        if not owns_core:
-            self.params = self.opt_state = None
+        self._start_phase(rl, train, initial=params)
+
+    # --- phases -------------------------------------------------------------------------
+
+    def begin_phase(
+        self, *, rl: RLConfig, train: TrainConfig, transport: Transport | None = None
+    ) -> None:
+        """Starts a new training phase on the current weights (RL after the warm start),
+        as a new trainer built from `model()` would: a fresh optimizer, step and version
+        0, the current weights as the KL reference, the core alone in TRAINING. The
+        weights stay where they are, and compiled functions that still fit are kept (a
+        micro-step of the same objective and row shape, the reductions, accumulators).
+
+        Args:
+          rl, train: the phase's configuration.
+          transport: a new transport (e.g. the warm start ran on one process's cells,
+            RL runs across processes); default: keep this one.
+
+        Raises:
+          ValueError: `train.sharding_rules` differ (the layout is the trainer's), a
+            step is running, or this process does not hold the core.
+        """
+        if train.sharding_rules != self.rules:
+            raise ValueError("a new phase keeps the parameter layout: train.sharding_rules differ")
+        if self._run is not None or not self.owns_core:
+            raise ValueError("a new phase begins where the core is, between steps")
+        if transport is not None:
+            transport.bind(self.layout, self.core)
+            self.transport = transport
+        keep = (rl, train.rows_per_micro_step, train.row_length)
+        self._compiled = {k: v for k, v in self._compiled.items() if k[1:] == keep}
+        self._start_phase(rl, train)
+
+    def _start_phase(self, rl: RLConfig, train: TrainConfig, initial=None) -> None:
+        """Optimizer, counters and KL reference of a phase (`initial`: the host's
+        initial weights, where this process does not hold the core)."""
+        self.rl = rl
+        self.train_config = train
+        self.optimizer = make_optimizer(train)
+        self._update = None
+        self.version = 0
+        self.step = 0
+        self.training: list[Cell] = [self.core]
+        self._pending_release.clear()
+        self.reference = None
+        self.opt_state = None
+        if not self.owns_core:
             if rl.kl_coef > 0:  # the initial weights, identical in every process
-                self.reference = jax.tree.map(np.asarray, params)
+                self.reference = jax.tree.map(np.asarray, initial)
             return
-        self.params = jax.device_put(params, self.param_shardings(core))
         # Moments shard like their parameters; counters are replicated on the core.
-        abstract_opt = jax.eval_shape(self.optimizer.init, self._abstract)
-        replicated = NamedSharding(core.mesh, jax.sharding.PartitionSpec())
+        abstract_opt = jax.eval_shape(self.optimizer.init, self.layout.abstract)
+        replicated = NamedSharding(self.core.mesh, jax.sharding.PartitionSpec())
         self._opt_shardings = optax.tree_utils.tree_map_params(
             self.optimizer,
             lambda _, s: s,
             abstract_opt,
-            self.param_shardings(core),
+            self.param_shardings(self.core),
             transform_non_params=lambda _: replicated,
         )
         self.opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings)(
             self.params
         )
-        if rl.kl_coef > 0:  # KL anchor: the initial weights, frozen.
+        if rl.kl_coef > 0:  # KL anchor: the phase's initial weights, frozen.
             self.reference = jax.tree.map(jnp.copy, self.params)
 
-    # --- layout -----------------------------------------------------------------------
+    # --- layout -------------------------------------------------------------------------
 
     def param_shardings(self, cell: Cell):
         """NamedSharding of every parameter on `cell`'s mesh (same layout on every cell)."""
-        return sharding.named_shardings(self._specs, cell.mesh)
+        return self.layout.shardings(cell)
 
     def _row_sharding(self, cell: Cell) -> NamedSharding:
         shape = (self.train_config.rows_per_micro_step, self.train_config.row_length)
@@ -193,47 +233,48 @@ class ElasticTrainer:
         """The current core weights as a model (shares the arrays)."""
         return nnx.merge(self.graphdef, self.params)
 
+    @property
+    def compile_count(self) -> int:
+        """Functions compiled so far (micro-steps, accumulators, reductions, updates,
+        and the transport's weight pulls)."""
+        return self._compiles + self.transport.compile_count
+
     # --- compiled functions, once per cell --------------------------------------------
-
-    def _micro_step_fn(self, params, reference, acc, rows, version):
-        self.compile_count += 1  # runs at trace time only
-
-        def loss_fn(params):
-            model = nnx.merge(self.graphdef, params)
-            ref = None
-            if reference is not None:
-                ref_model = nnx.merge(self.graphdef, reference)
-                ref = jax.lax.stop_gradient(token_logprobs(ref_model, rows)[0])
-            return micro_step_loss(model, rows, self.rl, version, ref)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        finite = jnp.isfinite(loss) & jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-        )
-        return jax.tree.map(jnp.add, acc, grads), metrics, finite
 
     def _compiled_for(self, cell: Cell) -> tuple[Callable, Callable, float]:
         """The cell's compiled micro-step and gradient-accumulator initialiser, and the
         seconds spent compiling them (0 if cached)."""
+        train, rl = self.train_config, self.rl
+        shape = (train.rows_per_micro_step, train.row_length)
+        key = (cell.index, rl, *shape)
         with self._compile_lock:
-            if cell.index in self._compiled:
-                return (*self._compiled[cell.index], 0.0)
+            if key in self._compiled:
+                return self._compiled[key], self._zeros[cell.index], 0.0
             start = time.perf_counter()
+            graphdef = self.graphdef
+            params = self.layout.on(cell)
+            acc = self.layout.on(cell, jnp.float32)
             shardings = self.param_shardings(cell)
-            params = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                self._abstract,
-                shardings,
-            )
-            acc = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s),
-                self._abstract,
-                shardings,
-            )
+
+            def micro_step(params, reference, acc, rows, version):
+                self._compiles += 1  # runs at trace time only
+
+                def loss_fn(params):
+                    model = nnx.merge(graphdef, params)
+                    ref = None
+                    if reference is not None:
+                        ref_model = nnx.merge(graphdef, reference)
+                        ref = jax.lax.stop_gradient(token_logprobs(ref_model, rows)[0])
+                    return micro_step_loss(model, rows, rl, version, ref)
+
+                (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+                leaves = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+                finite = jnp.isfinite(loss) & jnp.all(jnp.stack(leaves))
+                return jax.tree.map(jnp.add, acc, grads), metrics, finite
+
             row_sharding = self._row_sharding(cell)
-            shape = (self.train_config.rows_per_micro_step, self.train_config.row_length)
             rows = {
-                f: jax.ShapeDtypeStruct(shape, _FIELD_DTYPES[f], sharding=row_sharding)
+                f: jax.ShapeDtypeStruct(shape, ROW_FIELDS[f], sharding=row_sharding)
                 for f in MICRO_STEP_FIELDS
             }
             version = jax.ShapeDtypeStruct((), jnp.int32)
@@ -241,53 +282,46 @@ class ElasticTrainer:
             with jax.set_mesh(cell.mesh), sharding.axis_rules(self.rules):
                 # Pin the accumulator's layout: it is fed back in on the next micro-step.
                 replicated = NamedSharding(cell.mesh, jax.sharding.PartitionSpec())
-                micro_step = (
-                    jax.jit(
-                        self._micro_step_fn,
-                        donate_argnums=(2,),
-                        out_shardings=(shardings, replicated, replicated),
-                    )
-                    .lower(params, reference, acc, rows, version)
-                    .compile()
-                )
-            zeros = (
-                jax.jit(
-                    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), acc),
-                    out_shardings=shardings,
-                )
-                .lower()
-                .compile()
-            )
-            self._compiled[cell.index] = (micro_step, zeros)
-            return micro_step, zeros, time.perf_counter() - start
+                out_shardings = (shardings, replicated, replicated)
+                jitted = jax.jit(micro_step, donate_argnums=(2,), out_shardings=out_shardings)
+                compiled = jitted.lower(params, reference, acc, rows, version).compile()
+            if cell.index not in self._zeros:
+                zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), acc)
+                jitted = jax.jit(zeros, out_shardings=shardings)
+                self._zeros[cell.index] = jitted.lower().compile()
+            self._compiled[key] = compiled
+            return compiled, self._zeros[cell.index], time.perf_counter() - start
 
     def precompile(self, cell: Cell) -> float:
-        """Compiles `cell`'s micro-step ahead of its first join; returns seconds spent."""
+        """Compiles `cell`'s micro-step ahead of its first join; returns seconds spent
+        (0 for a cell another process holds: that process compiles it)."""
+        if not self.transport.holds(cell):
+            return 0.0
         return self._compiled_for(cell)[2]
 
     def _reducer_for(self, cells: tuple[Cell, ...]) -> CrossCellReducer:
         key = tuple(c.index for c in cells)
         if key not in self._reducers:
-            self.compile_count += 1
-            acc = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), self._abstract)
-            self._reducers[key] = CrossCellReducer(cells, self._specs, acc)
+            self._compiles += 1
+            acc = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), self.layout.abstract
+            )
+            self._reducers[key] = CrossCellReducer(cells, self.layout.specs, acc)
         return self._reducers[key]
 
-    def _apply_update(self, grads):
+    def _apply_update(self, grads) -> float:
         if self._update is None:
-            self.compile_count += 1
+            self._compiles += 1
+            optimizer = self.optimizer
 
             def update(params, opt_state, grads):
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-                updates, opt_state = self.optimizer.update(grads, opt_state, params)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
             replicated = NamedSharding(self.core.mesh, jax.sharding.PartitionSpec())
-            self._update = jax.jit(
-                update,
-                donate_argnums=(0, 1),
-                out_shardings=(self.param_shardings(self.core), self._opt_shardings, replicated),
-            )
+            out_shardings = (self.param_shardings(self.core), self._opt_shardings, replicated)
+            self._update = jax.jit(update, donate_argnums=(0, 1), out_shardings=out_shardings)
         self.params, self.opt_state, grad_norm = self._update(self.params, self.opt_state, grads)
         return float(grad_norm)
 
@@ -313,17 +347,20 @@ class ElasticTrainer:
     # --- cells joining and leaving ----------------------------------------------------
 
     def join(self, cell: Cell) -> None:
-        """Adds a satellite: to the running step if there is one, else to the next step."""
+        """Adds a satellite: to the running step if it can join it, else to the next step."""
+        self._require_driver("join")
         with self._state_lock:
             if any(c.index == cell.index for c in self.training):
                 raise ValueError(f"cell {cell.index} is already training")
             self._pending_release.pop(cell.index, None)
             self.training.append(cell)
-            if self._run is not None:
-                self._run.start_worker(cell, joined_mid_step=True)
+            run = self._run
+            if run is not None and self.transport.join_running(run.exchange, cell):
+                run.start_worker(cell, joined_mid_step=True)
 
     def release(self, cell: Cell) -> None:
         """Removes a satellite at the next step boundary (now, if no step is running)."""
+        self._require_driver("release")
         if cell.index == self.core.index:
             raise ValueError("the core cell holds the optimizer state and cannot be released")
         with self._state_lock:
@@ -333,6 +370,15 @@ class ElasticTrainer:
                 self.training = [c for c in self.training if c.index != cell.index]
             else:
                 self._pending_release[cell.index] = time.perf_counter()
+
+    def stop(self) -> None:
+        """Tells any process that follows this one's steps that none follows (a no-op
+        in one process); once, however many cleanups call it."""
+        self.transport.stop()
+
+    def _require_driver(self, what: str) -> None:
+        if not self.transport.is_driver:
+            raise RuntimeError(f"{what} is the driving process's call; this one follows")
 
     # --- the step -----------------------------------------------------------------------
 
@@ -346,46 +392,51 @@ class ElasticTrainer:
         Args:
           batch: rows of shape [M * R, L] with R = train.rows_per_micro_step and
             L = train.row_length.
-          on_micro_step: called after each micro-step as (index, cell), from the worker
-            thread; it may call `join` (tests and the scheduler use this).
+          on_micro_step: called after each of this process's micro-steps as (index,
+            cell), from the worker thread; it may call `join` (tests and the scheduler
+            use this).
         """
+        self._require_driver("train_step")
         self._check_batch(batch)
         start = time.perf_counter()
-        run = _StepRun(self, batch, on_micro_step)
-        with self._state_lock:
-            self._run = run
-            for cell in self.training:
-                run.start_worker(cell, joined_mid_step=False)
-        results = run.wait()
-        with self._state_lock:
-            self._run = None
-            leaving = dict(self._pending_release)
-            self.training = [c for c in self.training if c.index not in leaving]
-            self._pending_release.clear()
-        for result in results.values():
-            if result.error is not None:
-                raise RuntimeError("a training cell failed") from result.error
 
-        # The core always takes part (zeros if the satellites claimed every micro-step),
-        # so the reduced gradients land on the core, next to the weights they update.
-        core = self.core.index
-        took_part = [
-            c for c in run.cells_in_order() if c.index == core or results[c.index].micro_steps
-        ]
-        # A set of cells seen for the first time compiles its reduction (not timed below).
+        # 1-2. Open the step; every training cell held here claims micro-steps.
+        with self._state_lock:
+            cells = tuple(self.training)
+            r = batch.rows_per_micro_step
+            plan = StepPlan(self.step + 1, self.version, cells, batch.num_micro_steps, r)
+            run = _StepRun(self, self.transport.open(plan, batch, self.params), on_micro_step)
+            self._run = run
+            for cell in cells:
+                if self.transport.holds(cell):
+                    run.start_worker(cell, joined_mid_step=False)
+        try:
+            results = run.wait()
+        finally:
+            with self._state_lock:  # the boundary: no more joins; released cells leave
+                self._run = None
+                self.transport.close(run.exchange)
+                leaving = dict(self._pending_release)
+                self.training = [c for c in self.training if c.index not in leaving]
+                self._pending_release.clear()
+        results = self.transport.collect(run.exchange, results)
+
+        # 3. Reduce onto the core. The core always takes part (zeros if the satellites
+        # claimed every micro-step), so the sum lands next to the weights it updates.
+        took_part = self._took_part(results)
+        self.transport.announce(run.exchange, took_part)
         reducer = self._reducer_for(tuple(took_part)) if len(took_part) > 1 else None
-        reduce_start = time.perf_counter()
-        if reducer is None:
-            grads = results[took_part[0].index].grads
-        else:
-            grads = reducer([results[c.index].grads for c in took_part])
+        reduce_start = time.perf_counter()  # a new set of cells compiles above, untimed
+        grads = self._reduce(took_part, results, reducer)
         grads = jax.block_until_ready(grads)
         reduction_s = time.perf_counter() - reduce_start
+        if self.keep_last_grads:
+            self.last_grads = grads
 
+        # 4. Skip a non-finite step, or update.
         metrics = _combine_metrics([results[c.index].metrics for c in took_part])
-        bad = [
-            r.first_bad_micro_step for r in results.values() if r.first_bad_micro_step is not None
-        ]
+        bad = [r.first_bad_micro_step for r in results.values()]
+        bad = [m for m in bad if m is not None]
         self.step += 1
         update_start = time.perf_counter()
         skip_reason = ""
@@ -399,6 +450,8 @@ class ElasticTrainer:
             self.version += 1
         jax.block_until_ready(self.params)
         update_s = time.perf_counter() - update_start
+
+        # 5. Report.
         released = tuple(
             LeaveReport(index, reduce_start + reduction_s - asked)
             for index, asked in sorted(leaving.items())
@@ -418,6 +471,54 @@ class ElasticTrainer:
             step_s=time.perf_counter() - start,
         )
 
+    def follow(self) -> dict | None:
+        """A process that does not drive: takes part in the driver's next step (or a
+        running step one of its satellites was told to join) with its own cells.
+
+        Returns:
+          None when the driver stopped; else what this process did in the step:
+          {"step", "cells" (that took part), "micro_steps_per_cell" (this process's),
+          "weight_pull" (how its satellites got the weights; None without a cell in
+          the step), "joined_mid_step"}.
+        """
+        exchange = self.transport.next()
+        if exchange is None:
+            return None
+        plan = exchange.plan
+        self.step, self.version = plan.step - 1, plan.version
+        mine = [c for c in plan.cells if self.transport.holds(c)]
+        done = {"step": plan.step, "cells": [], "micro_steps_per_cell": {}, "weight_pull": None}
+        done["joined_mid_step"] = exchange.joined_mid_step
+        if mine:
+            run = _StepRun(self, exchange, None)
+            for cell in mine:
+                run.start_worker(cell, joined_mid_step=exchange.joined_mid_step)
+            results = run.wait()
+            self.transport.report(exchange, results)
+            took_part = self.transport.took_part(exchange)
+            if any(self.transport.holds(c) for c in took_part) and len(took_part) > 1:
+                self._reduce(took_part, results, self._reducer_for(tuple(took_part)))
+            done["cells"] = [c.index for c in took_part]
+            done["micro_steps_per_cell"] = {c.index: results[c.index].micro_steps for c in mine}
+            done["weight_pull"] = exchange.weight_pull
+        self.step = plan.step
+        return done
+
+    def _took_part(self, results: dict[int, CellResult]) -> list[Cell]:
+        """The cells whose gradients are reduced: the core, then every cell that ran a
+        micro-step, in cell order."""
+        core = self.core.index
+        took_part = [r.cell for r in results.values() if r.cell.index == core or r.micro_steps]
+        return sorted(took_part, key=lambda c: (c.index != core, c.index))
+
+    def _reduce(self, took_part: list[Cell], results: dict[int, CellResult], reducer):
+        """The gradient sum of `took_part` on the core (None in a process without it).
+        Across processes every process holding one of the cells calls the reducer."""
+        if reducer is None:
+            return results[took_part[0].index].grads
+        held = [results[c.index].grads if self.transport.holds(c) else None for c in took_part]
+        return reducer(held)
+
     def _check_batch(self, batch: PackedBatch) -> None:
         r, length = self.train_config.rows_per_micro_step, self.train_config.row_length
         if batch.tokens.shape[1] != length or batch.tokens.shape[0] % r:
@@ -433,26 +534,25 @@ class ElasticTrainer:
 
     # --- worker -------------------------------------------------------------------------
 
-    def _work(self, cell: Cell, run: _StepRun, result: _CellResult, joined_mid_step: bool):
-        start = time.perf_counter()
-        if cell.index == self.core.index:
-            params = self.params
-        else:  # pull the step's frozen weights from the core, device to device
-            params = jax.block_until_ready(jax.device_put(self.params, self.param_shardings(cell)))
+    def _work(self, cell: Cell, run: _StepRun, result: CellResult, joined_mid_step: bool):
+        """One cell's part of a step: pull the weights, claim micro-steps until none is
+        left, accumulate their gradients."""
+        params, pull_s = run.exchange.weights(cell)  # the step's frozen weights
         reference = None
         if self.reference is not None:
+            start = time.perf_counter()
             reference = jax.device_put(self.reference, self.param_shardings(cell))
-        pull_s = time.perf_counter() - start
+            pull_s += time.perf_counter() - start
         micro_step, zeros, compile_s = self._compiled_for(cell)
         row_sharding = self._row_sharding(cell)
         acc = None
-        version = np.int32(self.version)
+        version = np.int32(run.exchange.plan.version)
         first_s = None
-        while (m := run.queue.claim()) is not None:
+        while (m := run.exchange.claim()) is not None:
             claimed = time.perf_counter()
             if acc is None:
                 acc = zeros()
-            rows = jax.device_put(run.micro_step_rows(m), row_sharding)
+            rows = jax.device_put(run.exchange.rows(m), row_sharding)
             acc, metrics, finite = micro_step(params, reference, acc, rows, version)
             metrics, finite = jax.device_get((metrics, finite))
             if first_s is None:
@@ -466,21 +566,9 @@ class ElasticTrainer:
         if acc is None and cell.index == self.core.index:
             acc = zeros()  # the core's sum is the reduction's destination even when empty
         result.grads = acc
-        if joined_mid_step:
+        satellite = cell.index != self.core.index
+        if joined_mid_step or (satellite and self.transport.reports_every_pull):
             result.join = JoinReport(cell.index, pull_s, compile_s, first_s)
-
-
-# Dtypes of the packed fields as the compiled micro-step expects them.
-_FIELD_DTYPES = {
-    "tokens": jnp.int32,
-    "positions": jnp.int32,
-    "subtree_end": jnp.int32,
-    "pred_index": jnp.int32,
-    "loss_weight": jnp.float32,
-    "advantage": jnp.float32,
-    "behavior_logprob": jnp.float32,
-    "version": jnp.int32,
-}
 
 
 def _accumulate(total: dict[str, float], metrics: dict) -> None:
@@ -500,43 +588,37 @@ def _combine_metrics(per_cell: list[dict[str, float]]) -> dict[str, float]:
 
 
 class _StepRun:
-    """The workers of one step and their shared micro-step queue."""
+    """This process's workers of one step, and what each of them did."""
 
-    def __init__(self, trainer: ElasticTrainer, batch: PackedBatch, on_micro_step):
+    def __init__(self, trainer: ElasticTrainer, exchange: StepExchange, on_micro_step):
         self.trainer = trainer
-        self.batch = batch
+        self.exchange = exchange
         self.on_micro_step = on_micro_step
-        self.queue = _MicroStepQueue(batch.num_micro_steps)
         self._threads: dict[int, threading.Thread] = {}
-        self._results: dict[int, _CellResult] = {}
-        self._order: list[Cell] = []
+        self._results: dict[int, CellResult] = {}
         self._lock = threading.Lock()
-
-    def micro_step_rows(self, m: int) -> dict[str, np.ndarray]:
-        r = self.batch.rows_per_micro_step
-        return {
-            f: np.asarray(getattr(self.batch, f)[m * r : (m + 1) * r], _FIELD_DTYPES[f])
-            for f in MICRO_STEP_FIELDS
-        }
 
     def start_worker(self, cell: Cell, joined_mid_step: bool) -> None:
         with self._lock:
-            result = _CellResult()
+            result = CellResult(cell)
             self._results[cell.index] = result
-            self._order.append(cell)
 
             def target():
                 try:
                     self.trainer._work(cell, self, result, joined_mid_step)
-                except BaseException as e:  # surfaced by train_step, never swallowed
+                except BaseException as e:  # surfaced by `wait`, never swallowed
                     result.error = e
 
             thread = threading.Thread(target=target, name=f"train-cell-{cell.index}")
             self._threads[cell.index] = thread
             thread.start()
 
-    def wait(self) -> dict[int, _CellResult]:
-        """Blocks until every worker, including ones that join meanwhile, is done."""
+    def wait(self) -> dict[int, CellResult]:
+        """Blocks until every worker, including ones that join meanwhile, is done.
+
+        Raises:
+          RuntimeError: a worker failed (its error is the cause).
+        """
         while True:
             with self._lock:
                 pending = [t for t in self._threads.values() if t.is_alive()]
@@ -544,8 +626,7 @@ class _StepRun:
                 break
             for thread in pending:
                 thread.join()
+        for result in self._results.values():
+            if result.error is not None:
+                raise RuntimeError("a training cell failed") from result.error
         return dict(self._results)
-
-    def cells_in_order(self) -> list[Cell]:
-        core = self.trainer.core.index
-        return sorted(self._order, key=lambda c: (c.index != core, c.index))

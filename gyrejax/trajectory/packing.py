@@ -40,6 +40,7 @@ import dataclasses
 
 import numpy as np
 
+from gyrejax.trajectory.rows import padding_rows
 from gyrejax.trajectory.tree import Tree
 
 
@@ -371,22 +372,6 @@ def strategies(row_length: int, longest_path: int) -> list[dict[str, int | None]
     ]
 
 
-@dataclasses.dataclass(frozen=True)
-class RowArrays:
-    """Packed per-token arrays, each [rows, row_length]."""
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    subtree_end: np.ndarray
-    pred_index: np.ndarray
-    loss_weight: np.ndarray
-    advantage: np.ndarray
-    behavior_logprob: np.ndarray
-    version: np.ndarray
-    execution_index: np.ndarray
-    repeated_tokens: int
-
-
 def assemble_rows(
     layouts: list[ForestLayout],
     rows: list[_Row],
@@ -397,7 +382,7 @@ def assemble_rows(
     token_weight: list[float],
     advantage: list[float],
     pad_id: int,
-) -> RowArrays:
+) -> tuple[dict[str, np.ndarray], int]:
     """Writes the planned rows into padded [rows, row_length] arrays.
 
     Args:
@@ -408,18 +393,18 @@ def assemble_rows(
       token_weight: per layout, the loss weight of each of its trained tokens.
       advantage: per layout, the advantage written on all of its tokens.
       pad_id: token id of padding.
+
+    Returns:
+      Every field of `rows.ROW_FIELDS`, [rows, row_length], and the number of repeated
+      (context) tokens.
     """
-    num_rows, length = len(rows), row_length
-    shape = (num_rows, length)
-    tokens = np.full(shape, pad_id, dtype=np.int32)
-    positions = np.zeros(shape, dtype=np.int32)
-    subtree_end = np.broadcast_to(np.arange(1, length + 1, dtype=np.int32), shape).copy()
-    pred_index = np.full(shape, -1, dtype=np.int32)
-    loss_weight = np.zeros(shape, dtype=np.float32)
-    adv = np.zeros(shape, dtype=np.float32)
-    behavior_logprob = np.zeros(shape, dtype=np.float32)
-    version = np.zeros(shape, dtype=np.int32)
-    ex_index = np.full(shape, -1, dtype=np.int32)
+    length = row_length
+    arrays = padding_rows(len(rows), length, pad_id)
+    tokens, positions = arrays["tokens"], arrays["positions"]
+    subtree_end, pred_index = arrays["subtree_end"], arrays["pred_index"]
+    loss_weight, adv = arrays["loss_weight"], arrays["advantage"]
+    behavior_logprob, version = arrays["behavior_logprob"], arrays["version"]
+    ex_index = arrays["execution_index"]
     owned_context: list[set[int]] = [set() for _ in layouts]
     repeated = 0
     for r, row in enumerate(rows):
@@ -460,15 +445,4 @@ def assemble_rows(
             offset += n
         if offset > length:  # a planning bug, never a data problem
             raise AssertionError(f"row {r} overfull: {offset} > {length}")
-    return RowArrays(
-        tokens=tokens,
-        positions=positions,
-        subtree_end=subtree_end,
-        pred_index=pred_index,
-        loss_weight=loss_weight,
-        advantage=adv,
-        behavior_logprob=behavior_logprob,
-        version=version,
-        execution_index=ex_index,
-        repeated_tokens=repeated,
-    )
+    return arrays, repeated

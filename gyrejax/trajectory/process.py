@@ -28,6 +28,7 @@ from gyrejax.trajectory.records import (
     validate_calls,
     validate_for_training,
 )
+from gyrejax.trajectory.rows import ROW_FIELDS, padding_rows
 from gyrejax.trajectory.tree import build_tree
 
 
@@ -84,15 +85,8 @@ class PackedBatch:
     arrays cut to their shape, `shapes` every shape a trainer must compile.
 
     Attributes:
-      tokens: int32 token ids (pad_id on padding).
-      positions: int32 depth of each token in its path (0 on padding).
-      subtree_end: int32 row index one past each token's subtree (i + 1 on padding).
-      pred_index: int32 row index whose logits predict this token (-1 if none).
-      loss_weight: float32 > 0 exactly on trained tokens; sums to 1 over the batch.
-      advantage: float32 the execution's group-relative advantage on all its tokens.
-      behavior_logprob: float32 sampling logprob of trained tokens (0 elsewhere).
-      version: int32 sampling policy version of trained tokens (0 elsewhere).
-      execution_index: int32 index into `execution_ids` (-1 on padding).
+      tokens ... execution_index: the per-token fields of `rows.ROW_FIELDS` (meanings,
+        dtypes and padding values in `gyrejax.trajectory.rows`).
       execution_ids: the used executions, in input order.
       execution_advantage: float32[E] advantage of each used execution.
       execution_reward: float32[E] reward of each used execution (0 for placeholders).
@@ -118,18 +112,6 @@ class PackedBatch:
     stats: PackStats
     row_lengths: np.ndarray
     micro_step_offsets: np.ndarray
-
-    _ROW_FIELDS = (
-        "tokens",
-        "positions",
-        "subtree_end",
-        "pred_index",
-        "loss_weight",
-        "advantage",
-        "behavior_logprob",
-        "version",
-        "execution_index",
-    )
 
     @property
     def num_rows(self) -> int:
@@ -162,15 +144,12 @@ class PackedBatch:
         rows, length = self.micro_step_shape(m)
         start = int(self.micro_step_offsets[m])
         sl = (slice(start, start + rows), slice(0, length))
-        return {name: getattr(self, name)[sl] for name in self._ROW_FIELDS}
+        return {name: getattr(self, name)[sl] for name in ROW_FIELDS}
 
 
-def _padding_rows(name: str, n: int, row_length: int, pad_id: int, dtype: np.dtype) -> np.ndarray:
-    """n all-padding rows of field `name` (see `PackedBatch` for the padding values)."""
-    if name == "subtree_end":
-        return np.broadcast_to(np.arange(1, row_length + 1, dtype=dtype), (n, row_length))
-    fill = {"tokens": pad_id, "pred_index": -1, "execution_index": -1}.get(name, 0)
-    return np.full((n, row_length), fill, dtype=dtype)
+# PackedBatch declares the schema's fields as its first attributes, in the schema's order.
+if [f.name for f in dataclasses.fields(PackedBatch)][: len(ROW_FIELDS)] != list(ROW_FIELDS):
+    raise TypeError("PackedBatch's per-token attributes differ from rows.ROW_FIELDS")
 
 
 def _check_args(
@@ -287,9 +266,12 @@ def process(
     for ex in executions:
         # Prompt tokens of used executions are range-checked by the tree builder.
         decision = check_execution(
-            ex, row_length=menu[-1], vocab_size=vocab_size,
-            eval_retry_budget=eval_retry_budget, check_prompts=False,
-        )  # fmt: skip
+            ex,
+            row_length=menu[-1],
+            vocab_size=vocab_size,
+            eval_retry_budget=eval_retry_budget,
+            check_prompts=False,
+        )
         if decision == "drop":
             dropped += 1
             continue
@@ -337,7 +319,7 @@ def process(
         layouts, menu, max_shapes, row_length, rows_per_micro_step, row_lengths is not None
     )
     width = max(choice.lengths, default=row_length)
-    arrays = assemble_rows(
+    arrays, repeated = assemble_rows(
         layouts,
         rows,
         units,
@@ -351,7 +333,7 @@ def process(
     for length in choice.lengths:  # each bucket's cost model over its own length
         sel = choice.row_length == length
         costs[sel] = row_costs(
-            arrays.subtree_end[sel, :length], arrays.execution_index[sel, :length]
+            arrays["subtree_end"][sel, :length], arrays["execution_index"][sel, :length]
         )
     per_length = {
         length: rows_per_micro_step_for(
@@ -364,11 +346,11 @@ def process(
     )
     num_real_rows = len(rows)
     extra = len(order) - num_real_rows
+    padding = padding_rows(extra, width, pad_id)
     fields = {}
-    for name in PackedBatch._ROW_FIELDS:
-        a = getattr(arrays, name)
+    for name, a in arrays.items():
         if extra:
-            a = np.concatenate([a, _padding_rows(name, extra, width, pad_id, a.dtype)])
+            a = np.concatenate([a, padding[name]])
         a = a[order]
         a.flags.writeable = False
         fields[name] = a
@@ -400,7 +382,7 @@ def process(
         micro_steps=len(offsets) - 1,
         packed_tokens=packed,
         padding_tokens=packed - real,
-        repeated_tokens=arrays.repeated_tokens,
+        repeated_tokens=repeated,
         waste_fraction=(packed - admitted_tokens) / packed if packed else 0.0,
         naive_over_unique=naive / unique if unique else 0.0,
         naive_over_admitted=naive / admitted_tokens if admitted_tokens else 0.0,

@@ -30,7 +30,9 @@ _ROLE_PRIORITY: dict[str, int] = {
     "sub_agent_summary": 3,
 }
 
-STATUSES = ("finished", "timed_out", "eval_failed", "no_artifact")
+# failed: the agent itself crashed (an external agent process exiting non-zero); its
+# record keeps the calls and the stderr tail (`error`) but it is never trained.
+STATUSES = ("finished", "timed_out", "eval_failed", "no_artifact", "failed")
 
 
 def register_role(name: str, priority: int) -> None:
@@ -166,9 +168,10 @@ class Execution:
       task_id: the task this execution attempted.
       group_id: executions sharing a group_id form one group for advantages.
       calls: the model calls (any order; replayed in call_id order).
-      status: finished | timed_out | eval_failed | no_artifact.
+      status: finished | timed_out | eval_failed | no_artifact | failed.
       reward: the workspace score; None until scored (eval_failed may stay None).
       eval_attempts: how many times scoring was attempted.
+      error: why it failed (an external agent's stderr tail); "" otherwise.
     """
 
     execution_id: str
@@ -178,9 +181,12 @@ class Execution:
     status: str = "finished"
     reward: float | None = None
     eval_attempts: int = 0
+    error: str = ""
 
     def __post_init__(self) -> None:
         owner = f"execution {self.execution_id!r}"
+        if not isinstance(self.error, str):
+            raise ValueError(f"{owner}: error={self.error!r}: expected a string")
         object.__setattr__(self, "calls", tuple(self.calls))
         if self.reward is not None:
             object.__setattr__(self, "reward", _as_float(self.reward, "reward", owner))
@@ -337,7 +343,8 @@ def validate_for_training(execution: Execution, eval_retry_budget: int) -> str:
 
     Returns:
       "train" (finished / timed_out), "placeholder" (no_artifact: reward 0) or "drop"
-      (eval_failed past its retry budget).
+      (eval_failed past its retry budget; failed: the agent crashed, so its calls say
+      nothing about the policy's reward).
 
     Raises:
       ValueError for an unknown status, a missing or non-finite reward, or an
@@ -354,6 +361,8 @@ def validate_for_training(execution: Execution, eval_retry_budget: int) -> str:
             f"execution {ex!r}: status eval_failed after {execution.eval_attempts} evaluation "
             f"attempt(s) < eval_retry_budget={eval_retry_budget}; re-evaluate it before training"
         )
+    if status == "failed":
+        return "drop"
     if status == "no_artifact":
         return "placeholder"
     if execution.reward is None:

@@ -86,6 +86,8 @@ def check_header(header: dict) -> None:
     attempts = header.get("eval_attempts")
     if not _is_int(attempts) or attempts < 0:
         raise ValueError(f"eval_attempts={attempts!r}: expected an int >= 0")
+    if not isinstance(header.get("error", ""), str):  # absent in records written before it
+        raise ValueError(f"error={header.get('error')!r}: expected a string")
     calls = header.get("calls")
     if not isinstance(calls, list):
         raise ValueError(f"calls={calls!r}: expected a list")
@@ -187,6 +189,7 @@ def encode_execution(execution: Execution) -> bytes:
         "status": execution.status,
         "reward": execution.reward,
         "eval_attempts": execution.eval_attempts,
+        "error": execution.error,
         "calls": call_meta,
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8", "surrogatepass")
@@ -293,6 +296,7 @@ def decode_execution(data: bytes, source: str = "<bytes>") -> Execution:
             status=header["status"],
             reward=header["reward"],
             eval_attempts=header["eval_attempts"],
+            error=header.get("error", ""),
         )
         validate_record(execution)  # roles, array lengths, finite logprobs, unique call ids
     except (KeyError, TypeError, ValueError) as e:

@@ -179,9 +179,14 @@ class _Writer:
                     self.rng.integers(cfg.sub_agent_turns[0], cfg.sub_agent_turns[1] + 1)
                 )
                 result = self.loop(
-                    sub, "sub_agent", "sub_agent_summary", [sub_system, subtask],
-                    max(sub_turns, 1), False, sub_system,
-                )  # fmt: skip
+                    sub,
+                    "sub_agent",
+                    "sub_agent_summary",
+                    [sub_system, subtask],
+                    max(sub_turns, 1),
+                    False,
+                    sub_system,
+                )
                 ctx.append(np.concatenate([[4], result]).astype(np.int32))
             else:
                 ctx.append(

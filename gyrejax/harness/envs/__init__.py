@@ -12,15 +12,46 @@ imports them on first use, so `get_environment("mini_repo")` works without impor
 The harness and the stages build environments with
 `get_environment(name, sandbox=config.harness.sandbox)`, so a factory takes a `sandbox`
 keyword: the mode (`gyrejax.harness.sandbox.choose_sandbox`) for any agent code it runs.
+
+What the harness needs of an environment is `Environment`; a scoring that cannot run
+raises `EvaluationError` (the harness retries it within `harness.eval_retry_budget`).
+The agent's action syntax is the harness's (`gyrejax.harness.actions`), not an
+environment's.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 _Factory = TypeVar("_Factory", bound=Callable[..., Any])
+
+
+class EvaluationError(RuntimeError):
+    """The evaluation itself could not run (an infrastructure failure, worth a retry);
+    never raised for a check that legitimately fails."""
+
+
+class Environment(Protocol):
+    """What the harness, the task draws and the warm start use of an environment.
+
+    A task has at least `task_id` and `spec` (the text the agent is given); a score has
+    `reward` (in [0, 1]).
+    """
+
+    name: str
+
+    def sample_tasks(self, n: int, *, seed: int, difficulty: Any = 1) -> list:
+        """`n` distinct tasks, a function of (seed, difficulty) only."""
+
+    def score(self, task: Any, workspace_root: Path | str) -> Any:
+        """Scores a workspace; raises `EvaluationError` if the evaluation cannot run."""
+
+    def run_visible_checks(self, task: Any, workspace_root: Path | str) -> str:
+        """The agent's `check` tool: the visible checks' results, as an observation."""
+
 
 # Modules holding the built-in environments, imported on first lookup.
 _BUILTIN_MODULES = ("gyrejax.harness.envs.mini_repo",)

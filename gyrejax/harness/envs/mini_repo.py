@@ -30,18 +30,7 @@ configured sandbox (bubblewrap where it works), so a module that loops or eats m
 fails its checks; only an evaluation that could not run at all raises
 `EvaluationError`.
 
-Action syntax (one action per model turn, plain text; `parse_action` / `format_action`):
-
-  write <path>\\n<content>   everything after the first newline is the file's content
-  read <path>
-  ls
-  check                      run the visible checks
-  delegate <subtask text>    hand a subtask to a sub-agent (the text may span lines)
-  done                       finish; a sub-agent may add a result: `done <result>`
-
-Leading whitespace before the keyword is ignored; `read`, `ls` and `check` take a single
-line; a delegate's subtask and a done's result are stripped of surrounding whitespace.
-Anything else parses to `Action(kind="malformed", error=<why>, raw=<text>)`.
+The agent acts by the harness's action syntax (`gyrejax.harness.actions`).
 """
 
 from __future__ import annotations
@@ -57,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gyrejax.harness.envs import register_environment
+from gyrejax.harness.actions import Action, format_action
+from gyrejax.harness.envs import EvaluationError, register_environment
 from gyrejax.harness.sandbox import Limits, SandboxError, choose_sandbox, run_python
 from gyrejax.harness.workspace import Workspace
 
@@ -65,11 +55,11 @@ LEVELS = (1, 2, 3)
 MAX_SPEC_BYTES = 150
 SPEC_HEADER = "make these files:"
 # Small vocabularies: lower-case words, digits, a few file names.
-WORDS = ("hi", "ok", "yes", "no", "cat", "dog", "sun", "red", "blue", "tree", "box", "one",
-         "two", "six", "top", "map", "sky", "day", "fox", "bee")  # fmt: skip
+WORDS = tuple(
+    "hi ok yes no cat dog sun red blue tree box one two six top map sky day fox bee".split()
+)
 SYLLABLES = ("ab", "xo", "la", "mi", "zz", "ok", "no", "ha")
-TEXT_FILES = ("a.txt", "b.txt", "c.txt", "x.txt", "y.txt", "note.txt", "name.txt", "msg.txt",
-              "out.txt", "data.txt", "tag.txt", "id.txt")  # fmt: skip
+TEXT_FILES = tuple(f"{name}.txt" for name in "a b c x y note name msg out data tag id".split())
 MODULES = ("f", "g", "h")
 # Function templates: (words phrasing of the body, callable); `k` is a small constant.
 _FORMULAS = {
@@ -78,113 +68,7 @@ _FORMULAS = {
     "mul": ("x * {k}", lambda x, k: x * k),
 }
 _TEXT_CHECK_BYTES = 1 << 16  # scoring reads at most this much of a file
-_SCORING_LIMITS = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=5.0,
-                         max_output_bytes=16 << 10)  # fmt: skip
-
-ACTION_KINDS = ("write", "read", "ls", "check", "delegate", "done")
-ACTION_SYNTAX = (
-    "one action per turn: 'write <path>' then the content on the next lines; "
-    "'read <path>'; 'ls'; 'check'; 'delegate <subtask>'; 'done' or 'done <result>'"
-)
-
-
-class EvaluationError(RuntimeError):
-    """The evaluation itself could not run (an infrastructure failure, worth a retry);
-    never raised for a check that legitimately fails."""
-
-
-# --- actions ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One parsed agent action.
-
-    Attributes:
-      kind: one of ACTION_KINDS, or "malformed".
-      path: write / read: the path as written (surrounding whitespace stripped).
-      content: write: the file content, verbatim.
-      subtask: delegate: the subtask text.
-      result: done: the result text (may be empty).
-      error: malformed: why the text is not an action.
-      raw: malformed: the text as given.
-    """
-
-    kind: str
-    path: str = ""
-    content: str = ""
-    subtask: str = ""
-    result: str = ""
-    error: str = ""
-    raw: str = ""
-
-    @property
-    def malformed(self) -> bool:
-        return self.kind == "malformed"
-
-
-def _malformed(text: object, why: str) -> Action:
-    raw = text if isinstance(text, str) else repr(text)
-    return Action("malformed", error=f"{why}; {ACTION_SYNTAX}", raw=raw)
-
-
-def parse_action(text: str) -> Action:
-    """Parses one model turn into an Action; never raises (bad input -> kind "malformed")."""
-    if not isinstance(text, str):
-        return _malformed(text, f"expected text, got {type(text).__name__}")
-    body = text.lstrip()
-    if not body:
-        return _malformed(text, "empty action")
-    first_line, newline, rest = body.partition("\n")
-    keyword, _, argument = first_line.partition(" ")
-    argument = argument.strip()
-    if keyword not in ACTION_KINDS:
-        shown = keyword if len(keyword) <= 20 else keyword[:17] + "..."
-        return _malformed(text, f"unknown action {shown!r}")
-    if keyword == "write":
-        if not argument:
-            return _malformed(text, "write needs a path")
-        if not newline:
-            return _malformed(text, "write needs its content after a newline")
-        return Action("write", path=argument, content=rest)
-    if rest.strip():
-        if keyword in ("delegate", "done"):
-            # All text after the keyword, verbatim but for the ends: whitespace closing the
-            # first line ("\r", spaces) is part of the text, so format_action restores it.
-            argument = body[len(keyword) :].strip()
-        else:
-            return _malformed(text, f"{keyword} takes a single line")
-    if keyword == "read":
-        if not argument:
-            return _malformed(text, "read needs a path")
-        return Action("read", path=argument)
-    if keyword in ("ls", "check"):
-        if argument:
-            return _malformed(text, f"{keyword} takes no argument")
-        return Action(keyword)
-    if keyword == "delegate":
-        if not argument:
-            return _malformed(text, "delegate needs a subtask")
-        return Action("delegate", subtask=argument)
-    return Action("done", result=argument)
-
-
-def format_action(action: Action) -> str:
-    """The text of `action` (the inverse of parse_action for well-formed actions)."""
-    if action.kind == "write":
-        return f"write {action.path}\n{action.content}"
-    if action.kind == "read":
-        return f"read {action.path}"
-    if action.kind in ("ls", "check"):
-        return action.kind
-    if action.kind == "delegate":
-        return f"delegate {action.subtask}"
-    if action.kind == "done":
-        return f"done {action.result}" if action.result else "done"
-    if action.kind == "malformed":
-        return action.raw
-    raise ValueError(f"action kind {action.kind!r}: expected one of {ACTION_KINDS}")
-
+_SCORING_LIMITS = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=5.0, max_output_bytes=16 << 10)
 
 # --- tasks --------------------------------------------------------------------------------
 
@@ -404,6 +288,24 @@ class MiniRepoEnv:
             digest = hashlib.sha1(spec.encode()).hexdigest()[:12]
             tasks.append(Task(f"mini_repo-L{level}-{digest}", level, spec, goals))
         return tasks
+
+    def task_line(self, task: Task, *, seed: int, index: int) -> dict:
+        """A JSONL task line (`rl.tasks_path`) for `sample_tasks(n > index, seed=seed,
+        difficulty=task.difficulty)[index]`: id, prompt, and where it is drawn from."""
+        where = {"seed": seed, "difficulty": task.difficulty, "index": index}
+        return {"id": task.task_id, "prompt": task.spec, "mini_repo": where}
+
+    def task_from_dict(self, data: dict) -> Task:
+        """The task a `task_line` names (drawn again: the hidden checks are never in the
+        file). Raises ValueError if the line's id is not the task drawn."""
+        where = data["mini_repo"]
+        index = where["index"]
+        task = self.sample_tasks(index + 1, seed=where["seed"], difficulty=where["difficulty"])[
+            index
+        ]
+        if task.task_id != data["id"]:
+            raise ValueError(f"id {data['id']!r} is not the task drawn ({task.task_id!r})")
+        return task
 
     # Scoring.
 

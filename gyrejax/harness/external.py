@@ -1,0 +1,204 @@
+"""External agents: the user's agent program, one process per execution, through the
+run's OpenAI door (`rl.agent = command`).
+
+For each execution, `CommandAgents.run_execution` opens the execution on the door
+(`OpenAIServer.open_execution`: its own key), starts `rl.agent_command` (shell-split)
+in the execution's workspace, in its own process group, with
+
+  OPENAI_BASE_URL    http://127.0.0.1:PORT/v1, the door (served by the runtime itself)
+  OPENAI_API_KEY     the execution's own key
+  GYREJAX_TASK       the task as JSON (`tasks.task_json`)
+  GYREJAX_WORKSPACE  the workspace path (also the working directory)
+  GYREJAX_MODEL      the served model name
+  GYREJAX_EXECUTION  the execution id (for the agent's own logs)
+
+and waits for it to exit. Its calls are recorded by the door exactly as the built-in
+harness's (same proxy, same records); sub-agents and summaries are the calls it marks
+with the door's X-Gyrejax-Agent / X-Gyrejax-Role headers. Then:
+
+  * exit 0: scored by the environment's verifier on the workspace (`rl.reward =
+    environment`, as the built-in harness scores) or by the `reward.json` the agent
+    wrote there (`rl.reward = agent`: {"reward": x});
+  * past `harness.timeout_s`: the whole process group is killed; `timed_out`, scored
+    like an exit;
+  * non-zero exit (or, with `rl.reward = agent`, no readable reward.json): `failed`,
+    with the stderr tail in the record's `error`; never trained, never stops the run.
+
+stdout and stderr go to `<workdir>/<workspace name>.out` / `.err`, beside the
+workspace, not in it (they are not artifacts). Agents inherit the runtime's
+environment minus the run's own secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from absl import logging
+
+from gyrejax.harness.agent import score_workspace, workspace_name
+from gyrejax.harness.tasks import FileTask, task_json
+from gyrejax.harness.workspace import Workspace
+from gyrejax.serve.http import API_KEY_ENV, ENGINE_TOKEN_ENV
+from gyrejax.serve.openai_server import OpenAIServer
+from gyrejax.trajectory import Execution
+
+REWARD_FILE = "reward.json"
+STDERR_TAIL_BYTES = 2000
+# The run's secrets never reach the agent (it gets its execution's key only).
+_WITHHELD_ENV = (API_KEY_ENV, ENGINE_TOKEN_ENV)
+
+
+class CommandAgents:
+    """Runs executions as processes of `command` against `door` (see module docstring).
+
+    Args:
+      door: the run's OpenAI door, started (its `url` is served).
+      base_url: the door's URL (without /v1).
+      command: the agent's argv (`shlex.split(rl.agent_command)`).
+      workdir: workspaces live in `workdir/<workspace name>`.
+      environment: scores workspaces (`reward = "environment"`).
+      reward: "environment" or "agent".
+      timeout_s: wall clock per execution; then the process group is killed.
+      eval_retry_budget: evaluation attempts before `eval_failed`.
+      model_name: GYREJAX_MODEL.
+    """
+
+    def __init__(
+        self,
+        door: OpenAIServer,
+        base_url: str,
+        command: list[str],
+        workdir: str | Path,
+        *,
+        environment,
+        reward: str = "environment",
+        timeout_s: float = 600.0,
+        eval_retry_budget: int = 3,
+        model_name: str = "gyrejax",
+    ):
+        if reward not in ("environment", "agent"):
+            raise ValueError(f"reward={reward!r}: expected 'environment' or 'agent'")
+        self.door = door
+        self.base_url = base_url.rstrip("/") + "/v1"
+        self.command = list(command)
+        self.workdir = Path(workdir)
+        self.env = environment
+        self.reward = reward
+        self.timeout_s = timeout_s
+        self.eval_retry_budget = eval_retry_budget
+        self.model_name = model_name
+
+    async def run_execution(self, task, execution_id: str, group_id: str, seed: int) -> Execution:
+        """Runs one agent process to its end; returns the record (never raises for the
+        agent's behaviour). `seed` is unused: the agent seeds its own requests (the door
+        seeds those that give none from the execution id and request count)."""
+        del seed
+        key = self.door.open_execution(execution_id, task.task_id, group_id)
+        name = workspace_name(execution_id)
+        workspace = Workspace(self.workdir / name)
+        logs = self.workdir / name
+        try:
+            status, error = await self._run_process(task, execution_id, key, workspace, logs)
+        except BaseException:  # cancelled (the run ends): the door forgets it, unstored
+            await self.door.close_execution(execution_id, "timed_out")
+            raise
+        reward, attempts = None, 0
+        if status != "failed":
+            reward, status, attempts, error = await self._reward(
+                task, execution_id, workspace, status, error
+            )
+        return await self.door.close_execution(execution_id, status, reward, attempts, error)
+
+    async def _run_process(
+        self, task, execution_id: str, key: str, workspace: Workspace, logs: Path
+    ) -> tuple[str, str]:
+        """Starts the agent and waits: ("finished" | "timed_out" | "failed", error)."""
+        env = {k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}
+        env.update(
+            OPENAI_BASE_URL=self.base_url,
+            OPENAI_API_KEY=key,
+            GYREJAX_TASK=task_json(task),
+            GYREJAX_WORKSPACE=str(workspace.root),
+            GYREJAX_MODEL=self.model_name,
+            GYREJAX_EXECUTION=execution_id,
+        )
+        err_path = logs.with_name(logs.name + ".err")
+        with open(logs.with_name(logs.name + ".out"), "wb") as out, open(err_path, "wb") as err:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *self.command,
+                    cwd=workspace.root,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,  # its own process group: killed whole
+                )
+            except OSError as e:  # not found, not executable: the agent's failure
+                return "failed", f"cannot start {self.command[0]!r}: {e}"
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    code = await process.wait()
+            except TimeoutError:
+                logging.info("agent of %s timed out after %.0f s", execution_id, self.timeout_s)
+                _kill_group(process.pid)
+                await process.wait()
+                return "timed_out", ""
+            finally:  # also on cancellation; and what it left running after it exited
+                _kill_group(process.pid)
+                if process.returncode is None:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(process.wait())
+        if code != 0:
+            tail = _tail(err_path)
+            logging.warning("agent of %s exited with %d: %s", execution_id, code, tail[-200:])
+            return "failed", f"exit code {code}\n{tail}"
+        return "finished", ""
+
+    async def _reward(
+        self, task, execution_id: str, workspace: Workspace, status: str, error: str
+    ) -> tuple[float | None, str, int, str]:
+        """(reward, status, eval attempts, error) by the configured source."""
+        if self.reward == "agent":
+            reward, problem = _read_reward(workspace.root / REWARD_FILE)
+            if problem:  # a timed-out agent that wrote none is still timed_out, unscored
+                status = "failed" if status == "finished" else status
+                return None, status, 0, problem
+            return reward, status, 0, error
+        env_task = task.env_task if isinstance(task, FileTask) else task
+        reward, status, attempts = await score_workspace(
+            self.env, env_task, workspace, status, execution_id, self.eval_retry_budget
+        )
+        return reward, status, attempts, error
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _tail(path: Path) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - STDERR_TAIL_BYTES))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _read_reward(path: Path) -> tuple[float | None, str]:
+    """(reward, "") from an agent's reward.json, or (None, what is wrong)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))["reward"]
+    except FileNotFoundError:
+        return None, f"rl.reward=agent: the agent wrote no {REWARD_FILE}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f'rl.reward=agent: {REWARD_FILE} is not {{"reward": <number>}} ({e!r})'
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None, f"rl.reward=agent: {REWARD_FILE} reward={value!r}: expected a finite number"
+    return float(value), ""

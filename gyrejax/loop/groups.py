@@ -1,0 +1,166 @@
+"""Dispatch: groups of executions, from the policy's decision to a ready group.
+
+Each new group g<seq> takes a task from the environment (`harness.tasks.draw_tasks`,
+seeded by seq; or from `rl.tasks_path`) and runs `rl.group_size` executions through the
+harness (or the external agents), with the rollout weights of the moment
+(`dispatch.jsonl`). Every execution is stored as soon as it ends (`workdir/executions`;
+`executions.jsonl` logs when, for calibration); a group whose executions all ended is
+ready for training. After a restart, groups dispatched before it are ready again (unless
+trained before the checkpoint) and only their missing executions run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+
+from absl import logging
+
+from gyrejax.harness.agent import Harness
+from gyrejax.harness.tasks import FileTask, draw_file_task, draw_tasks
+from gyrejax.logs import append_jsonl, prepare_for_append
+from gyrejax.loop.context import RunContext
+from gyrejax.trajectory import Execution, ExecutionStore
+
+
+@dataclasses.dataclass
+class Group:
+    """One dispatched group and what became of it."""
+
+    group_id: str
+    seq: int
+    task: object
+    version: int  # rollout weights when dispatched
+    burst: int
+    executions: dict[str, Execution] = dataclasses.field(default_factory=dict)
+    done: bool = False
+
+
+class Groups:
+    """The run's groups: dispatched, running, ready (in finish order).
+
+    Args:
+      ctx: the run.
+      env: the environment its tasks come from.
+      store: where every execution is stored as it ends.
+      tasks: a task file's tasks (`rl.tasks_path`); None: the environment's.
+    """
+
+    def __init__(
+        self, ctx: RunContext, env, store: ExecutionStore, tasks: list[FileTask] | None = None
+    ):
+        self.ctx = ctx
+        self.env = env
+        self.store = store
+        self.tasks = tasks
+        # Runs executions: the built-in Harness or CommandAgents (the same
+        # `run_execution`); set once the engines are up (`attach`).
+        self.harness: Harness | None = None
+        self.groups: dict[str, Group] = {}
+        self.ready: collections.deque[str] = collections.deque()
+        self.next_seq = 0
+        self.bad_records = 0  # stored records skipped since the last metrics row
+
+    def attach(self, harness) -> None:
+        self.harness = harness
+
+    def in_flight(self) -> list[Group]:
+        """Dispatched groups with unfinished executions."""
+        return [g for g in self.groups.values() if not g.done]
+
+    def dispatch(self) -> None:
+        """Dispatches the next group with the current rollout version."""
+        seq = self.next_seq
+        self.next_seq += 1
+        group = self._make(seq, self.ctx.driver.rollout_version)
+        entry = {"group": group.group_id, "seq": seq, "task": group.task.task_id}
+        entry.update(version=group.version, time=self.ctx.now())
+        append_jsonl(self.ctx.workdir / "dispatch.jsonl", entry)
+        self.ctx.spawn(self._run(group, range(self.ctx.config.rl.group_size)))
+
+    def take(self, group_ids: list[str]) -> list[Execution]:
+        """Takes ready groups for a step; returns their executions."""
+        for g in group_ids:
+            self.ready.remove(g)
+        return [e for g in group_ids for e in self.groups[g].executions.values()]
+
+    def rewards(self, group_ids: list[str]) -> list[float]:
+        return [
+            e.reward
+            for g in group_ids
+            for e in self.groups[g].executions.values()
+            if e.reward is not None
+        ]
+
+    def _make(self, seq: int, version: int) -> Group:
+        config = self.ctx.config
+        if self.tasks is not None:
+            task = draw_file_task(self.tasks, seed=seq, run_seed=config.seed)
+        else:
+            (task,) = draw_tasks(self.env, config.harness, 1, seed=seq, run_seed=config.seed)
+        group = Group(f"g{seq}", seq, task, version, self.ctx.driver.burst)
+        self.groups[group.group_id] = group
+        return group
+
+    async def _run(self, group: Group, members) -> None:
+        async def one(i: int) -> None:
+            execution_id = f"{group.group_id}/{i}"
+            seed = group.seq * 1000 + i
+            started = self.ctx.now()
+            execution = await self.harness.run_execution(
+                group.task, execution_id, group.group_id, seed
+            )
+            self.store.put(execution, overwrite=True)  # persisted as soon as it ends
+            group.executions[execution_id] = execution
+            record = {"execution": execution_id, "group": group.group_id, "started_s": started}
+            record.update(finished_s=self.ctx.now(), status=execution.status)
+            append_jsonl(self.ctx.workdir / "executions.jsonl", record)  # for calibration
+            self.ctx.notify()
+
+        await asyncio.gather(*(one(i) for i in members))
+        group.done = True
+        self.ready.append(group.group_id)
+        self.ctx.notify()
+
+    def resume(self, trained: set[str]) -> None:
+        """Groups dispatched before a restart: finished ones are ready again (unless in
+        `trained`, trained before the checkpoint), missing executions run again."""
+
+        def valid(entry: dict) -> bool:
+            fields = (("group", str), ("seq", int), ("version", int))
+            return all(isinstance(entry.get(k), t) for k, t in fields)
+
+        # A torn last entry is cut away: its group had not started (the entry is
+        # written before the group runs), so its seq is simply dispatched again.
+        entries = [e for e in prepare_for_append(self.ctx.workdir / "dispatch.jsonl") if valid(e)]
+        if not entries:
+            return
+        self.next_seq = max(e["seq"] for e in entries) + 1
+        skipped: list[str] = []  # bad stored records: skipped (named), counted, re-run
+        size = self.ctx.config.rl.group_size
+        for entry in entries:
+            if entry["group"] in trained:
+                continue
+            group = self._make(entry["seq"], entry["version"])
+            for execution in self.store.groups([group.group_id], skipped=skipped)[group.group_id]:
+                group.executions[execution.execution_id] = execution
+            missing = [i for i in range(size) if f"{group.group_id}/{i}" not in group.executions]
+            if missing:
+                self.ctx.spawn(self._run(group, missing))
+            else:
+                group.done = True
+                self.ready.append(group.group_id)
+        self.bad_records += len(skipped)
+        running = len(self.in_flight())
+        logging.info(
+            "resume: %d groups ready, %d re-running, %d bad records skipped",
+            len(self.ready),
+            running,
+            len(skipped),
+        )
+
+    def cancel_unfinished(self, proxy) -> None:
+        """Cancels the model calls of every unfinished group (request ids "<group>/...")."""
+        for group in self.in_flight():
+            proxy.cancel_execution(group.group_id)

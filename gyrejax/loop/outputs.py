@@ -1,0 +1,222 @@
+"""What the RL loop writes: a metrics row per step, a line per transition, where every
+cell-second went, and the run's summary.
+
+  * `metrics.jsonl`: per step reward, loss, tokens, staleness, step time, roles,
+    utilisation, joins and leaves, cell-seconds by state since the last row, groups
+    trained beyond the gate (`over_stale`) and bad records left out;
+  * `transitions.jsonl`: every role switch, phase by phase, and every publication;
+  * cell time: a 0.25 s sampler attributes every cell-second to "busy" or one idle cause
+    (`policies.IDLE_CAUSES`, as the simulator does exactly), and prints progress;
+  * `run_summary.json` (`calibrate.py` fits its `schedule`) and the PNG plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+
+import numpy as np
+from absl import logging
+
+from gyrejax.cells import Cell
+from gyrejax.config import Config
+from gyrejax.harness.sandbox import sandbox_summary
+from gyrejax.logs import append_jsonl, mark, read_jsonl
+from gyrejax.loop.context import RunContext
+from gyrejax.scheduler import plots
+from gyrejax.scheduler.policies import IDLE_CAUSES, Role
+from gyrejax.train.trainer import StepReport
+from gyrejax.trajectory import PackedBatch
+
+SAMPLE_S = 0.25  # the cell-time sampler's period
+
+
+def log_transition(
+    ctx: RunContext, index: int | None, kind: str, phases: dict, burst: int | None = None
+) -> None:
+    """Appends a transition (or a publication: `index` None) to `transitions.jsonl`."""
+    burst = ctx.driver.burst if burst is None else burst
+    record = {"time_s": ctx.now(), "cell": index, "kind": kind, "burst": burst, **phases}
+    append_jsonl(ctx.workdir / "transitions.jsonl", record)
+    mark("publish done" if kind == "publish" else "transition done")
+    logging.info("transition %s cell %s: %s", kind, index, phases)
+
+
+class CellTime:
+    """Cell-seconds by state ("busy" and `IDLE_CAUSES`), for the run and since the last
+    step, sampled every `SAMPLE_S` seconds; their idle share is 1 - utilisation."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.cell_s = dict.fromkeys(("busy", *IDLE_CAUSES), 0.0)
+        self._at_step = dict(self.cell_s)
+        self.busy_samples: list[float] = []  # busy fraction of the cells, per sample
+
+    def since_step(self) -> dict[str, float]:
+        """Cell-seconds by state since the last call (a metrics row's `cell_s`)."""
+        since = {k: v - self._at_step[k] for k, v in self.cell_s.items()}
+        self._at_step = dict(self.cell_s)
+        return since
+
+    def recent_utilisation(self) -> float | None:
+        recent = self.busy_samples[-40:]
+        return float(np.mean(recent)) if recent else None
+
+    async def monitor(self, proxy, groups) -> None:
+        """Samples what every cell does and prints a progress line now and then."""
+        ctx = self.ctx
+        last_print = 0.0
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            in_flight = proxy.counters().in_flight
+            total = ctx.config.train.steps * ctx.config.rl.groups_per_step
+            tail = groups.next_seq >= total
+            states = [self.state(c, in_flight, tail) for c in ctx.cells]
+            for state in states:
+                self.cell_s[state] += SAMPLE_S
+            self.busy_samples.append(states.count("busy") / len(states))
+            if ctx.now() - last_print >= ctx.config.scheduler.progress_every_s:
+                last_print = ctx.now()
+                logging.info(
+                    "progress: step %d/%d, burst %d, roles %s, %d groups ready, %d executions "
+                    "running",
+                    ctx.trainer.step,
+                    ctx.config.train.steps,
+                    ctx.driver.burst,
+                    ctx.driver.roles_text(),
+                    len(groups.ready),
+                    sum(in_flight.values()),
+                )
+
+    def state(self, cell: Cell, in_flight: dict[str, int], tail: bool) -> str:
+        """ "busy" or the idle cause (the simulator's IDLE_CAUSES) of one cell right now.
+
+        A rollout cell is busy while its engine holds a request; a training cell while a
+        step runs with it in the trainer (a cell released for rollout trains on until the
+        step's end). Idle time after the run's last dispatch (`tail`) is the straggler
+        tail.
+        """
+        ctx, index = self.ctx, cell.index
+        roles = ctx.driver.roles
+        step_running = ctx.step_task is not None
+        in_step = step_running and any(c.index == index for c in ctx.trainer.training)
+        phase = ctx.phase.get(index)
+        if phase == "switch":
+            return "switching"
+        if phase in ("queued", "wait_boundary") and roles[index] is Role.ROLLOUT:
+            # Leaving training: busy while in the running step, else waiting for the switch.
+            return "busy" if in_step else "boundary_wait"
+        serving = roles[index] is Role.ROLLOUT or phase == "queued"
+        if serving:
+            if in_flight.get(f"cell{index}", 0) > 0:
+                return "busy"
+        elif in_step:
+            return "busy"
+        if tail:
+            return "tail"
+        if not serving:
+            return "train_wait"
+        return "gate" if ctx.driver.gate_closed else "other"
+
+
+def step_record(
+    ctx: RunContext,
+    report: StepReport,
+    batch: PackedBatch,
+    group_ids: list[str],
+    rewards: list[float],
+    cell_time: CellTime,
+    *,
+    over_stale: int,
+    bad_records: int,
+) -> dict:
+    """Appends the metrics row of a step to `metrics.jsonl` and logs it; returns it."""
+    record = {
+        "step": report.step,
+        "version": report.version,
+        "time_s": ctx.now(),
+        "policy": ctx.config.scheduler.policy,
+        "reward": float(np.mean(rewards)) if rewards else None,
+        "groups": group_ids,
+        **report.metrics,
+        "skipped": report.skipped,
+        "cells": list(report.cells),
+        "step_s": report.step_s,
+        "rows": int(batch.tokens.shape[0]),
+        "roles": "".join(r.value[0].upper() for r in ctx.driver.roles),
+        "utilisation": cell_time.recent_utilisation(),
+        "joins": [dataclasses.asdict(j) for j in report.joins],
+        "leaves": [dataclasses.asdict(r) for r in report.released],
+        "cell_s": cell_time.since_step(),
+        "over_stale": over_stale,
+        "bad_records": bad_records,
+    }
+    append_jsonl(ctx.workdir / "metrics.jsonl", record)
+    mark("step done")
+    metrics = report.metrics
+    logging.info(
+        "step %d: reward %.3f loss %.4f tokens %d staleness %.1f cells %s roles %s (%.1f s)",
+        report.step,
+        record["reward"] or 0.0,
+        metrics.get("loss", float("nan")),
+        int(metrics.get("tokens", 0)),
+        metrics.get("staleness_mean", 0.0),
+        list(report.cells),
+        record["roles"],
+        report.step_s,
+    )
+    return record
+
+
+def write_summary(ctx: RunContext, cell_time: CellTime, over_stale: int) -> dict:
+    """Writes `run_summary.json` and the plots; returns the summary."""
+    config, workdir = ctx.config, ctx.workdir
+    records = read_jsonl(workdir / "metrics.jsonl")
+    transitions = read_jsonl(workdir / "transitions.jsonl")
+    plots.write_all(workdir, records, ctx.timeline, len(ctx.cells), ctx.now())
+    rewards = [r["reward"] for r in records if r.get("reward") is not None]
+    k = max(1, len(rewards) // 4)
+    busy = cell_time.busy_samples
+    summary = {
+        "policy": config.scheduler.policy,
+        "steps": ctx.trainer.step,
+        "wall_s": ctx.now(),
+        "reward_first": float(np.mean(rewards[:k])) if rewards else None,
+        "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+        # Step rewards are noisy (a few groups each): means over tenths of the run.
+        "reward_by_tenth": [
+            float(np.mean(part)) for part in np.array_split(rewards, 10) if len(part)
+        ],
+        "utilisation": float(np.mean(busy)) if busy else None,
+        "transitions": collections.Counter(t["kind"] for t in transitions),
+        # Cell-seconds busy and idle by cause (sampled every 0.25 s): they sum to
+        # cells x the sampled time, and their idle share is 1 - utilisation.
+        "cell_s": dict(cell_time.cell_s),
+        "over_stale": over_stale,
+        "schedule": schedule_fields(config, len(ctx.cells)),
+        # Which sandbox ran agent code; without bubblewrap it says it is no boundary.
+        "sandbox": sandbox_summary(config.harness.sandbox),
+    }
+    (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    logging.info("run finished: %s", summary)
+    return summary
+
+
+def schedule_fields(config: Config, cells: int) -> dict:
+    """The run's schedule as the simulator names it (gyrejax.scheduler.calibrate)."""
+    sched = config.scheduler
+    return {
+        "policy": sched.policy,
+        "cells": cells,
+        "capacity": config.rollout.max_slots,
+        "group_size": config.rl.group_size,
+        "groups_per_step": config.rl.groups_per_step,
+        "steps": config.train.steps,
+        "mu": sched.mu,
+        "phi": sched.phi,
+        "max_staleness": sched.max_staleness,
+        "async_training_cells": sched.async_training_cells,
+        "timeout_s": config.harness.timeout_s,
+    }

@@ -1,0 +1,199 @@
+"""The RL loop: harness, proxy, engines, trajectory processor and trainer, with cells
+moved between rollout and training by a policy (gyrejax.scheduler.policies).
+
+One asyncio loop drives everything (`Runtime._run`, read it top to bottom). After every
+event (an execution or group finished, a step finished, a transition finished) the
+policy sees a `View` and returns a `Decision`; the runtime carries it out under the
+driver rules both drivers share (gyrejax.scheduler.driver):
+
+  * dispatch (groups.py): each new group takes a task and runs `rl.group_size`
+    executions through the harness (or, with `rl.agent = command`, as processes of the
+    user's agent through an OpenAI door served here: harness/external.py); each
+    execution is stored as it ends;
+  * steps (steps.py): a training step starts when the rules and the staleness gate
+    allow, trains on every TRAINING cell in an executor thread, and after every
+    `scheduler.mu` steps the weights are published to the rollout engines
+    (engines.py) and a new burst begins;
+  * transitions (transitions.py): role switches, one at a time, every phase timed;
+  * outputs (outputs.py): `metrics.jsonl`, `transitions.jsonl`, idle time by cause,
+    `run_summary.json` and the plots; also the execution store, `dispatch.jsonl`,
+    `executions.jsonl` and checkpoints.
+
+Killing the process and starting the same command again continues from the last
+checkpoint with every stored execution: groups trained after that checkpoint are
+trained again (their updates were lost with the process), finished executions are never
+re-run, unfinished ones are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shlex
+from pathlib import Path
+
+from gyrejax.cells import Cell
+from gyrejax.config import Config
+from gyrejax.harness.agent import Harness
+from gyrejax.harness.chat import HfChat, load_chat
+from gyrejax.harness.envs import get_environment
+from gyrejax.harness.external import CommandAgents
+from gyrejax.harness.tasks import load_task_file
+from gyrejax.loop.context import RunContext, schedule_of
+from gyrejax.loop.engines import CellEngines, Rollout
+from gyrejax.loop.groups import Groups
+from gyrejax.loop.outputs import CellTime, write_summary
+from gyrejax.loop.steps import Steps
+from gyrejax.loop.transitions import Transitions
+from gyrejax.model.transformer import Transformer
+from gyrejax.rollout.engine import Engine
+from gyrejax.scheduler.driver import Driver
+from gyrejax.scheduler.policies import Role, make_policy, policy_options
+from gyrejax.serve.chat import ByteChatTemplate
+from gyrejax.serve.openai_server import OpenAIServer
+from gyrejax.train.trainer import ElasticTrainer
+from gyrejax.trajectory import ExecutionStore
+
+
+class Runtime:
+    """Runs `config.train.steps` RL steps with the configured scheduling policy.
+
+    Args:
+      config: the whole run configuration.
+      cells: every cell, in order (cell 0 is the core).
+      model: the starting policy (e.g. after the warm start).
+      workdir: where everything is written (see the module docstring).
+      trainer: the trainer to train, at the start of its RL phase (e.g. the warm
+        start's, after `begin_phase`; across processes, one with their transport);
+        default: a new one on cell 0 built from `model`.
+      cell_engines: builds each cell's engine (default: a precompiled `make_engine` in
+        this process; across processes, another process's cells are reached by URL).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        cells: list[Cell],
+        model: Transformer,
+        workdir: Path,
+        *,
+        trainer: ElasticTrainer | None = None,
+        cell_engines: CellEngines | None = None,
+    ):
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if trainer is None:
+            trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
+        self.config = config
+        self.trainer = trainer
+        driver = Driver(schedule_of(config, len(cells)))
+        self.ctx = RunContext(config, cells, workdir, trainer, driver)
+        env = get_environment(config.harness.environment, sandbox=config.harness.sandbox)
+        tasks = None
+        if config.rl.tasks_path:  # read (and resolved) now: a bad file is one error line
+            scorer = env if config.rl.reward == "environment" else None
+            tasks = load_task_file(config.rl.tasks_path, scorer)
+        self.groups = Groups(self.ctx, env, ExecutionStore(workdir / "executions"), tasks)
+        self.door: OpenAIServer | None = None  # rl.agent = command: the agents' door
+        self.rollout = Rollout(self.ctx, cell_engines)
+        self.cell_time = CellTime(self.ctx)
+        self.steps = Steps(self.ctx, self.groups, self.cell_time, self.rollout.publish)
+        self.transitions = Transitions(self.ctx, self.rollout)
+        s = config.scheduler
+        options = policy_options(s.policy, training_cells=s.async_training_cells)
+        self.policy = make_policy(s.policy, **options)
+
+    @property
+    def engines(self) -> dict[int, Engine]:
+        """The cells' engines, by cell index."""
+        return self.rollout.engines
+
+    def run(self) -> dict:
+        """Runs the loop to its last step; returns the run's summary."""
+        return asyncio.run(self._run())
+
+    async def _run(self) -> dict:
+        ctx, config = self.ctx, self.config
+        ctx.start()
+        self.steps.restore()
+        try:  # engines started so far are shut down even if a later one fails to start
+            proxy = await self.rollout.start()
+            harness = await self._agents(proxy)
+            self.groups.attach(harness)
+            ctx.timeline += [(0.0, cell.index, Role.ROLLOUT.value) for cell in ctx.cells]
+            ctx.spawn(self.transitions.worker())
+            ctx.spawn(self.cell_time.monitor(proxy, self.groups))
+            self.groups.resume(set(self.steps.trained_groups))
+            while self.trainer.step < config.train.steps:
+                ctx.check()
+                c = proxy.counters()
+                view = ctx.driver.view(
+                    ctx.now(),
+                    (c.dispatched, c.started, c.finished),
+                    groups_in_flight=len(self.groups.in_flight()),
+                    groups_ready=len(self.groups.ready),
+                    groups_dispatched=self.groups.next_seq,
+                    step_running=ctx.step_task is not None,
+                )
+                decision = self.policy(view)
+                ctx.driver.note_gate(view, decision.dispatch)
+                for _ in range(decision.dispatch):
+                    self.groups.dispatch()
+                for index, role in decision.transitions:
+                    self.transitions.request(index, role)
+                self.steps.maybe_start()
+                await ctx.changed(timeout_s=1.0)
+            if ctx.step_task is not None:
+                await ctx.step_task
+        finally:
+            await self._shutdown()
+        return write_summary(ctx, self.cell_time, self.steps.over_stale)
+
+    async def _agents(self, proxy):
+        """What runs executions: the built-in harness, or the user's agent command
+        through an OpenAI door this runtime serves on loopback (harness/external.py)."""
+        config, workdir = self.config, self.ctx.workdir / "workspaces"
+        chat = load_chat(config.model.tokenizer)
+        if config.rl.agent == "builtin":
+            return Harness(
+                proxy,
+                config.harness,
+                workdir,
+                temperature=config.rollout.temperature,
+                environment=self.groups.env,
+                chat=chat,
+            )
+        model_name = Path(config.model.hf_checkpoint).name or "gyrejax"
+        self.door = OpenAIServer(
+            proxy,
+            chat.template if isinstance(chat, HfChat) else ByteChatTemplate(),
+            api_key=secrets.token_urlsafe(32),  # nobody creates executions but us
+            model_name=model_name,
+            default_max_tokens=config.harness.max_new_tokens,
+            max_open_executions=max(256, 2 * config.rl.group_size * config.rl.groups_per_step),
+        )
+        url = await self.door.start("127.0.0.1", 0)
+        return CommandAgents(
+            self.door,
+            url,
+            shlex.split(config.rl.agent_command),
+            workdir,
+            environment=self.groups.env,
+            reward=config.rl.reward,
+            timeout_s=config.harness.timeout_s,
+            eval_retry_budget=config.harness.eval_retry_budget,
+            model_name=model_name,
+        )
+
+    async def _shutdown(self) -> None:
+        ctx = self.ctx
+        if self.rollout.proxy is not None:
+            self.groups.cancel_unfinished(self.rollout.proxy)
+        for task in ctx.tasks():
+            if task is not ctx.step_task:
+                task.cancel()
+        await asyncio.gather(*ctx.tasks(), return_exceptions=True)
+        if self.door is not None:
+            await self.door.stop()
+        await self.rollout.shutdown()
+        self.steps.close()

@@ -1,0 +1,144 @@
+"""Training steps of the RL loop, their checkpoints, and resuming from one.
+
+A step starts when the driver's rules allow it (the core TRAINING and not switching, no
+step running, no engine copying the weights its update would donate) and the staleness
+gate lets `rl.groups_per_step` ready groups go (`Driver.choose_groups`: the oldest
+rollout versions first, waiting for a running older group rather than train anything
+more than S versions stale; a group trained beyond the gate is counted, never silent).
+It runs in an executor thread: its groups' executions become a packed batch
+(`train.loop.process_options`, the one place those arguments come from the config),
+the trainer trains on every TRAINING cell, a metrics row is written, a checkpoint every
+`checkpoint.every_steps` steps, and after every `scheduler.mu` steps the weights are
+published (a burst ends).
+
+Checkpoint metadata records the trained groups, the next group seq and the burst, so a
+restart re-readies stored groups, re-runs only missing executions and trains nothing
+twice; metric rows of steps past the checkpoint are dropped (they are trained again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from absl import logging
+
+from gyrejax.logs import mark, prepare_for_append, up_to_step
+from gyrejax.loop.context import RunContext
+from gyrejax.loop.groups import Groups
+from gyrejax.loop.outputs import CellTime, step_record
+from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.train.loop import process_options
+from gyrejax.trajectory import process
+
+
+class Steps:
+    """Starts, runs and records the run's training steps; checkpoints and resumes.
+
+    Args:
+      ctx: the run.
+      groups: where ready groups come from.
+      cell_time: the idle accounting each metrics row reports.
+      publish: ends a burst (the rollout engines get the newest weights).
+    """
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        groups: Groups,
+        cell_time: CellTime,
+        publish: Callable[[], Awaitable[None]],
+    ):
+        self.ctx = ctx
+        self.groups = groups
+        self.cell_time = cell_time
+        self.publish = publish
+        self.checkpointer = TrainCheckpointer(ctx.workdir / "checkpoints", ctx.config.checkpoint)
+        self.trained_groups: list[str] = []
+        self.over_stale = 0  # groups trained more than max_staleness versions late
+
+    def maybe_start(self) -> None:
+        """Starts a step if the driver's rules and the staleness gate allow one."""
+        ctx, driver, trainer = self.ctx, self.ctx.driver, self.ctx.trainer
+        # No step while an engine copies the weights a step's update would donate.
+        if ctx.weight_pulls or not driver.step_may_start(ctx.step_task is not None):
+            return
+        ready = list(self.groups.ready)
+        groups = self.groups.groups
+        chosen = driver.choose_groups(
+            [groups[g].version for g in ready],
+            [g.version for g in self.groups.in_flight()],
+            trainer.version,
+        )
+        if chosen is None:  # too few groups, or waiting for an older one (staleness)
+            return
+        group_ids = [ready[i] for i in chosen]
+        late = [g for g in group_ids if driver.over_stale(trainer.version - groups[g].version)]
+        if late:  # never silent: step_groups only does this when nothing better exists
+            self.over_stale += len(late)
+            gate = ctx.config.scheduler.max_staleness
+            logging.warning("groups %s are trained more than %d versions late", late, gate)
+        executions = self.groups.take(group_ids)
+        ctx.step_task = ctx.spawn(self._train(group_ids, executions))
+
+    async def _train(self, group_ids: list[str], executions: list) -> None:
+        ctx, config, trainer = self.ctx, self.ctx.config, self.ctx.trainer
+        batch = process(executions, **process_options(config, trainer.step))
+        loop = asyncio.get_running_loop()
+        try:
+            if batch.num_micro_steps == 0:
+                logging.warning("groups %s have nothing to train; skipped", group_ids)
+                self.trained_groups += group_ids
+                return
+            mark("step")  # for benchmarks/chaos.py; "step done" comes with its metrics row
+            report = await loop.run_in_executor(None, trainer.train_step, batch)
+            self.trained_groups += group_ids
+            end_of_burst = ctx.driver.step_done()
+            step_record(
+                ctx,
+                report,
+                batch,
+                group_ids,
+                self.groups.rewards(group_ids),
+                self.cell_time,
+                over_stale=self.over_stale,
+                bad_records=self.groups.bad_records,
+            )
+            self.groups.bad_records = 0
+            if trainer.step % config.checkpoint.every_steps == 0:
+                await loop.run_in_executor(None, self.save)
+            if end_of_burst:
+                await self.publish()
+        finally:
+            ctx.step_task = None
+            ctx.notify()
+
+    def save(self) -> None:
+        """Checkpoints the trainer with what a restart needs to go on."""
+        meta = {"trained_groups": self.trained_groups, "next_seq": self.groups.next_seq}
+        meta.update(burst=self.ctx.driver.burst, seed=self.ctx.config.seed)
+        self.ctx.trainer.save(self.checkpointer, meta)
+
+    def restore(self) -> None:
+        """Resumes from the newest readable checkpoint, if any, and readies the logs for
+        appending: a torn last line (a kill mid-write) is cut away, and metric rows of
+        steps past the checkpoint are dropped, since those steps are trained again."""
+        ctx, trainer = self.ctx, self.ctx.trainer
+        if self.checkpointer.latest_step() is not None:
+            meta = trainer.restore(self.checkpointer)
+            self.trained_groups = list(meta["trained_groups"])
+            ctx.driver.burst = int(meta["burst"])
+            ctx.driver.rollout_version = trainer.version
+            logging.info(
+                "resumed from step %d (%d groups trained)", trainer.step, len(self.trained_groups)
+            )
+        prepare_for_append(ctx.workdir / "metrics.jsonl", keep=up_to_step(trainer.step))
+        prepare_for_append(ctx.workdir / "transitions.jsonl")
+        prepare_for_append(ctx.workdir / "executions.jsonl")
+
+    def close(self) -> None:
+        """At the run's end: keeps every completed step, then closes the checkpointer."""
+        step = self.ctx.trainer.step
+        if step and self.checkpointer.latest_step() != step:
+            self.save()
+        self.checkpointer.close()

@@ -1,0 +1,113 @@
+"""Role switches of the RL loop, one at a time, every phase timed.
+
+A policy's transition is requested through the driver (`Driver.request_transition`: the
+View shows the target role at once; switches run serially, in request order). A cell
+returning to rollout leaves the trainer when its switch is requested, so it never starts
+a new step while it waits behind other switches; it leaves at the step boundary.
+
+  rollout -> training: the proxy drains the cell's engine (in-flight requests migrate,
+    with their KV cache where both engines can), its memory is freed, and the cell joins
+    the trainer (mid-step if a step runs);
+  training -> rollout: once the running step (and its update, which donates the
+    weights) has ended, the engine gets its memory back, pulls the newest weights (no
+    step starts during the copy) and accepts requests again.
+
+Each phase is logged in `transitions.jsonl` (drain, migrations, free, weight pull, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gyrejax.cells import Cell
+from gyrejax.logs import mark
+from gyrejax.loop.context import RunContext
+from gyrejax.loop.engines import Rollout
+from gyrejax.loop.outputs import log_transition
+from gyrejax.scheduler.policies import Role
+
+
+class Transitions:
+    """Requests and carries out role switches (module docstring)."""
+
+    def __init__(self, ctx: RunContext, rollout: Rollout):
+        self.ctx = ctx
+        self.rollout = rollout
+        self._wake = asyncio.Event()
+
+    def request(self, index: int, role: Role) -> None:
+        """A policy's transition of cell `index` to `role` (nothing if it switches
+        already or has that role)."""
+        ctx = self.ctx
+        if not ctx.driver.request_transition(index, role):
+            return
+        ctx.phase[index] = "queued"
+        cell = ctx.cells[index]
+        if role is Role.ROLLOUT and not cell.is_core:
+            # Released now, not when the (serial) worker reaches it: a cell queued to return
+            # must not start a new step and hold its switch for a whole step.
+            ctx.trainer.release(cell)
+        self._wake.set()
+
+    async def worker(self) -> None:
+        """Carries out the queued transitions, one at a time, in request order."""
+        ctx = self.ctx
+        while True:
+            pending = ctx.driver.next_transition()
+            if pending is None:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            index, role, burst = pending  # the burst that decided it
+            mark("transition")  # for benchmarks/chaos.py; "... done" with its log record
+            start = time.perf_counter()
+            cell = ctx.cells[index]
+            ctx.timeline.append((ctx.now(), index, "switching"))
+            ctx.phase[index] = "switch" if role is Role.TRAINING else "wait_boundary"
+            if role is Role.TRAINING:
+                phases = await self._to_training(cell)
+            else:
+                phases = await self._to_rollout(cell)
+            ctx.driver.finish_transition(index)
+            ctx.phase.pop(index, None)
+            ctx.timeline.append((ctx.now(), index, role.value))
+            phases["total_s"] = time.perf_counter() - start
+            log_transition(ctx, index, f"to_{role.value}", phases, burst)
+            ctx.notify()
+
+    async def _to_training(self, cell: Cell) -> dict:
+        proxy, engine = self.rollout.proxy, self.rollout.engines[cell.index]
+        t0 = time.perf_counter()
+        report = await proxy.drain(engine.name)
+        t1 = time.perf_counter()
+        await engine.release_memory()
+        t2 = time.perf_counter()
+        if not cell.is_core:  # off the loop: a join may write a weights snapshot
+            await asyncio.get_running_loop().run_in_executor(None, self.ctx.trainer.join, cell)
+        phases = {"drain_s": t1 - t0, "migrated": report.migrated}
+        phases.update(kv_copies=report.kv_copies, resubmits=report.resubmits, free_s=t2 - t1)
+        return phases
+
+    async def _to_rollout(self, cell: Cell) -> dict:
+        # Released when requested (`request`); it leaves at the step boundary.
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        # Wait for the step to end, update included: the update donates the weights'
+        # buffers, so they are copied only while no step runs (and none may start).
+        while ctx.step_task is not None:
+            await asyncio.sleep(0.01)
+        ctx.phase[cell.index] = "switch"
+        t1 = time.perf_counter()
+        engine = self.rollout.engines[cell.index]
+        ctx.weight_pulls += 1
+        try:
+            await engine.resume()
+            weights = await self.rollout.weights_for(engine)
+            await engine.update_weights(weights, ctx.trainer.version)
+        finally:
+            ctx.weight_pulls -= 1
+            ctx.notify()
+        t2 = time.perf_counter()
+        self.rollout.proxy.set_accepting(engine.name, True)
+        return {"wait_boundary_s": t1 - t0, "weight_pull_s": t2 - t1}
