@@ -190,6 +190,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.cells.size = fsdp * tensor
     c.cells.fsdp = fsdp
     c.cells.tensor = tensor
+    c.cells.sequence = 1  # rows whole on each device (context parallelism: issue 18)
 
     # Model: the checkpoint's architecture (load_hf takes it from config.json), bfloat16.
     c.model = config_dict.ConfigDict()
