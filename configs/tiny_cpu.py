@@ -28,7 +28,19 @@ transitions).
 Variants:
   configs/tiny_cpu.py:smoke   one layer, few short turns, no warm start, 2 RL steps; for
                               tests.
+  configs/tiny_cpu.py:agent   bring your own everything on CPU: the example external
+                              agent (examples/agents/react_agent.py) through the run's
+                              OpenAI door on the mini-repo task file, the small BPE
+                              tokenizer (built once into a cache directory: $GYREJAX_CACHE
+                              or the temp directory; nothing downloads) and a tiny Qwen3
+                              over its 1024 ids; no warm start (see `_agent`), 6 RL steps.
+                              About 5 minutes on 2 loaded cores; reward stays ~0 (a random
+                              model); N/U of its trees ~2.7 (the shared tools prompt).
 """
+
+import shlex
+import sys
+from pathlib import Path
 
 from ml_collections import config_dict
 
@@ -178,6 +190,46 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
         c.harness.max_turns = 2
         c.harness.max_new_tokens = 16
         c.harness.max_retries = 0
+    elif variant == "agent":
+        _agent(c)
     elif variant is not None:
-        raise ValueError(f"configs/tiny_cpu.py: unknown variant {variant!r}; known: smoke")
+        raise ValueError(f"configs/tiny_cpu.py: unknown variant {variant!r}; known: smoke, agent")
     return c
+
+
+REPO = Path(__file__).resolve().parent.parent
+BPE_VOCAB_SIZE = 1024  # the tokenizer's whole vocabulary, added tokens included
+
+
+def _agent(c: config_dict.ConfigDict) -> None:
+    """The `agent` variant (module docstring), in place.
+
+    Reward: a random tiny model rarely writes a well-formed tool call, so the reward
+    starts (and over a few CPU steps stays) near 0. There is no warm start: the built-in
+    demonstrations speak the harness's own system prompt and tools, not this agent's,
+    and at ~1000-token rows they would not fit the CPU budget anyway.
+    """
+    from gyrejax.harness.bpe import cached_tokenizer  # tokenizers, only for this variant
+
+    c.model.tokenizer = str(cached_tokenizer(BPE_VOCAB_SIZE))
+    c.model.vocab_size = BPE_VOCAB_SIZE
+    # The chat template's tools block is ~850 tokens: rows hold it plus three short turns.
+    c.rollout.max_seq_len = 1600
+    c.train.row_length = 1600
+    c.harness.context_budget_tokens = 1300
+    c.harness.max_new_tokens = 48  # the door's max_tokens when a request gives none
+    c.harness.timeout_s = 120.0
+    c.rl.agent = "command"
+    # The agent runs in its workspace: absolute paths. Its own knobs (env variables):
+    # three turns of 48 tokens keep its growing conversation within max_seq_len.
+    script = REPO / "examples" / "agents" / "react_agent.py"
+    c.rl.agent_command = shlex.join(
+        ["env", "AGENT_MAX_TURNS=3", "AGENT_MAX_TOKENS=48", sys.executable, str(script)]
+    )
+    c.rl.tasks_path = str(REPO / "examples" / "agents" / "mini_repo_tasks.jsonl")
+    c.rl.reward = "environment"
+    c.rl.group_size = 4
+    c.rl.groups_per_step = 2
+    c.warmup.steps = 0
+    c.train.steps = 6
+    c.checkpoint.every_steps = 2

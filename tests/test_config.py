@@ -1,11 +1,14 @@
 """Configuration: defaults, the config files, and one clear error per bad value."""
 
 import dataclasses
+import shlex
 import typing
+from pathlib import Path
 
 import pytest
 from conftest import load_config_file
 
+from gyrejax import preflight
 from gyrejax.config import Config, ConfigError, from_dict, unknown_field
 
 
@@ -15,6 +18,18 @@ def test_defaults_and_tiny_config_build():
     assert config.cells.num_cpu_devices == 8 and config.cells.size == 2
     assert config.model.head_dim == 64
     assert from_dict(load_config_file("tiny_cpu", "smoke")).model.num_layers == 1
+
+
+def test_agent_demo_variant_is_consistent_and_passes_preflight():
+    # configs/tiny_cpu.py:agent: the example agent, its task file and the BPE tokenizer
+    # (built into the cache on first use) fit together, the model covers the tokenizer.
+    config = from_dict(load_config_file("tiny_cpu", "agent"))
+    preflight.check(config, config.cells.num_cpu_devices)
+    words = shlex.split(config.rl.agent_command)
+    assert config.rl.agent == "command" and Path(words[-1]).is_file()
+    assert Path(config.rl.tasks_path).is_file()  # absolute: agents run in workspaces
+    assert config.rollout.max_seq_len <= config.train.row_length
+    assert config.harness.context_budget_tokens < config.rollout.max_seq_len
 
 
 def test_values_are_coerced_to_field_types():
