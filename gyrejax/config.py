@@ -239,6 +239,9 @@ class CellsConfig:
 # Every mesh axis a rule may name. A cell's mesh has the first two always and
 # `sequence` when cells.sequence > 1 (`CellsConfig.mesh_shape`).
 MESH_AXES = ("fsdp", "tensor", "sequence")
+# Most row lengths (train.row_length included): the packer enumerates their subsets
+# (gyrejax.trajectory.buckets.MAX_ALLOWED_LENGTHS, the same number).
+MAX_ROW_LENGTHS = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +294,12 @@ class TrainConfig:
     learning_rate: float = 1e-5
     row_length: int = 2048  # tokens per packed row (>= rollout.max_seq_len).
     rows_per_micro_step: int = 1
+    # Row buckets: more lengths rows may have besides row_length (each divides it or is a
+    # multiple of it; above it, a row is split over cells.sequence when > 1, else it is
+    # held whole by one device). A micro-step of length l holds max(1, R * L // l) rows.
+    # Empty: every row is [row_length]. The trainer compiles each length once per cell.
+    row_lengths: tuple[int, ...] = ()
+    max_row_shapes: int = 0  # most distinct lengths in one batch; 0: no cap
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
@@ -301,6 +310,39 @@ class TrainConfig:
             _fail("train.steps", self.steps, "expected an integer >= 0")
         _non_negative("train", self, "learning_rate", "max_grad_norm", "weight_decay")
         _check_rules("train", self.sharding_rules, MESH_AXES)
+        self._check_row_buckets()
+
+    def _check_row_buckets(self) -> None:
+        lengths, base = self.row_lengths, self.row_length
+        if not isinstance(lengths, tuple) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in lengths
+        ):
+            _fail("train.row_lengths", lengths, "expected a tuple of positive integers")
+        if len(set(lengths)) != len(lengths) or base in lengths:
+            _fail(
+                "train.row_lengths",
+                lengths,
+                f"repeats a length (train.row_length={base} is always one)",
+            )
+        if len(lengths) + 1 > MAX_ROW_LENGTHS:
+            _fail("train.row_lengths", lengths, f"at most {MAX_ROW_LENGTHS - 1} lengths")
+        for x in lengths:  # equal token budgets: every micro-step holds R * L tokens
+            if base % x and x % base:
+                _fail(
+                    "train.row_lengths",
+                    lengths,
+                    f"{x} neither divides nor is a multiple of train.row_length={base}",
+                )
+        shapes = self.max_row_shapes
+        if isinstance(shapes, bool) or not isinstance(shapes, int) or shapes < 0:
+            _fail("train.max_row_shapes", shapes, "expected an integer >= 0 (0: no cap)")
+        if shapes and not lengths:
+            _fail("train.max_row_shapes", shapes, "only with train.row_lengths")
+
+    @property
+    def all_row_lengths(self) -> tuple[int, ...]:
+        """Every length a packed row may have, ascending: row_length and row_lengths."""
+        return tuple(sorted({self.row_length, *self.row_lengths}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,6 +549,15 @@ class Config:
                 f"must be >= rollout.max_seq_len={self.rollout.max_seq_len}: a call is trained "
                 "with its whole context in one row",
             )
+        sequence = self.cells.sequence
+        for x in self.train.row_lengths:  # else the length stays whole on every device
+            if x > self.train.row_length and sequence > 1 and x % sequence:
+                _fail(
+                    "train.row_lengths",
+                    self.train.row_lengths,
+                    f"{x} is not a multiple of cells.sequence={sequence}, the axis a row "
+                    "longer than train.row_length is split over",
+                )
         for name in ("vllm_servers", "engine_servers"):
             servers = getattr(self.rollout, name)
             if servers and (self.train.executions_dir or not self.train.steps):

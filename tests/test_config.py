@@ -9,7 +9,8 @@ import pytest
 from conftest import load_config_file
 
 from gyrejax import preflight
-from gyrejax.config import Config, ConfigError, from_dict, unknown_field
+from gyrejax.config import MAX_ROW_LENGTHS, Config, ConfigError, from_dict, unknown_field
+from gyrejax.trajectory.buckets import MAX_ALLOWED_LENGTHS
 
 
 def test_defaults_and_tiny_config_build():
@@ -75,6 +76,28 @@ def test_values_are_coerced_to_field_types():
         ({"generate": {"prompts": [[600]]}}, r"token 600 >= model\.vocab_size=512"),
         ({"train": {"row_length": 512}}, r"config\.train\.row_length=512: must be >= rollout"),
         (
+            {"train": {"row_lengths": [1024, 3000]}},
+            r"^config\.train\.row_lengths=\(1024, 3000\): 3000 neither divides nor is a multiple "
+            r"of train\.row_length=2048$",
+        ),
+        (
+            {"train": {"row_lengths": [2048]}},
+            r"^config\.train\.row_lengths=\(2048,\): repeats a length",
+        ),
+        ({"train": {"row_lengths": [0]}}, r"^config\.train\.row_lengths=\(0,\): expected a tuple"),
+        (
+            {"train": {"max_row_shapes": 2}},
+            r"^config\.train\.max_row_shapes=2: only with train\.row_lengths$",
+        ),
+        (
+            {"train": {"row_lengths": [1024], "max_row_shapes": -1}},
+            r"^config\.train\.max_row_shapes=-1: expected an integer >= 0",
+        ),
+        (
+            {"cells": {"size": 3, "sequence": 3}, "train": {"row_lengths": [4096]}},
+            r"^config\.train\.row_lengths=\(4096,\): 4096 is not a multiple of cells\.sequence=3",
+        ),
+        (
             {"harness": {"context_budget_tokens": 1900}},
             r"config\.rollout\.max_seq_len=2048: must hold harness\.context_budget_tokens",
         ),
@@ -127,6 +150,12 @@ def test_values_are_coerced_to_field_types():
 def test_bad_values_name_the_field_and_value(values, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(values)
+
+
+def test_row_buckets_are_accepted_and_the_menu_cap_is_the_packers():
+    config = from_dict({"cells": {"size": 2, "sequence": 2}, "train": {"row_lengths": [512, 4096]}})
+    assert config.train.all_row_lengths == (512, 2048, 4096)
+    assert MAX_ROW_LENGTHS == MAX_ALLOWED_LENGTHS
 
 
 def test_config_is_frozen():

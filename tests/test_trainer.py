@@ -23,6 +23,7 @@ from gyrejax.model.transformer import init_model
 from gyrejax.train.checkpoint import TrainCheckpointer, restore_weights, save_weights
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import generate_executions, process
+from gyrejax.trajectory.rows import ROW_FIELDS, padding_rows
 
 VOCAB = 64
 MODEL = ModelConfig(
@@ -33,7 +34,7 @@ ROW = 128
 TRAIN = TrainConfig(row_length=ROW, rows_per_micro_step=1, learning_rate=1e-3)
 
 
-def make_batch(seed=0, rows_per_micro_step=1):
+def make_batch(seed=0, rows_per_micro_step=1, **buckets):
     executions = generate_executions(
         3, 3, seed=seed, turns=(4, 10), vocab_size=VOCAB, system_prompt_tokens=10,
         task_tokens=(3, 6), tool_output_tokens=(2, 10), model_output_tokens=(2, 10),
@@ -57,7 +58,9 @@ def make_batch(seed=0, rows_per_micro_step=1):
         )
         for ex in executions
     ]
-    return process(executions, row_length=ROW, j_max=None, rows_per_micro_step=rows_per_micro_step)
+    return process(
+        executions, row_length=ROW, j_max=None, rows_per_micro_step=rows_per_micro_step, **buckets
+    )
 
 
 def cells(size=2, fsdp=2, tensor=1):
@@ -190,6 +193,72 @@ def test_batch_shape_must_match_the_train_config():
     trainer = ElasticTrainer(init_model(MODEL), cells()[0], rl=RLConfig(), train=TRAIN)
     with pytest.raises(ValueError, match="rows_per_micro_step=2"):
         trainer.train_step(make_batch(rows_per_micro_step=2))
+    with pytest.raises(ValueError, match=r"shapes \[\(1, 256\), \(2, 64\)\] do not fit"):
+        trainer.train_step(rebucket(make_batch(0)))
+
+
+def rebucket(batch):
+    """`batch`'s rows (one length, R = 1) re-packed in rows of three lengths: a row with
+    at most 64 tokens in [2, 64] micro-steps (with an all-padding row), the shorter of the
+    others fused by first fit into rows of 256, the rest left in rows of 128."""
+    fill = [int(np.flatnonzero(e >= 0).max()) + 1 for e in batch.execution_index]
+    short = [i for i in np.argsort(fill) if fill[i] <= 64]
+    fused: list[list[int]] = []
+    for i in [i for i in np.argsort(fill)[::-1] if 64 < fill[i] < 100]:
+        bin_ = next((b for b in fused if sum(fill[j] for j in b) + fill[i] <= 256), None)
+        fused.append([i]) if bin_ is None else bin_.append(i)
+    rest = [[i] for i in range(batch.num_rows) if fill[i] >= 100]
+    rows = [(256, b) for b in fused] + [(128, b) for b in rest]
+    rows += [(64, [i]) for i in short] + [(64, [])] * (len(short) % 2)
+    out = {f: [] for f in ROW_FIELDS}
+    for _, sources in rows:
+        row = padding_rows(1, 256)
+        at = 0
+        for i in sources:
+            for f in ROW_FIELDS:
+                value = getattr(batch, f)[i, : fill[i]]
+                if f == "subtree_end" or f == "pred_index":
+                    value = np.where(value >= 0, value + at, value)
+                row[f][0, at : at + fill[i]] = value
+            at += fill[i]
+        for f in ROW_FIELDS:
+            out[f].append(row[f][0])
+    lengths = np.asarray([length for length, _ in rows], np.int32)
+    sizes = [1] * (len(fused) + len(rest)) + [2] * (-(-len(short) // 2))
+    offsets = np.cumsum([0, *sizes])
+    out = {f: np.stack(v) for f, v in out.items()}
+    return dataclasses.replace(batch, **out, row_lengths=lengths, micro_step_offsets=offsets)
+
+
+BUCKETS = dataclasses.replace(TRAIN, row_lengths=(64, 256))  # and ROW: [2, 64], [1, 128], [1, 256]
+
+
+def test_row_buckets_train_like_one_row_length_with_no_compile_after_precompile():
+    """A batch whose micro-steps come in three shapes runs each shape's precompiled step,
+    and gives the update of the same rows in one length (loss weights make
+    padding irrelevant; fused rows change nothing: the tree mask keeps trees apart)."""
+    plain_batch = make_batch(0)
+    bucketed = rebucket(plain_batch)
+    assert set(bucketed.shapes) == {(2, 64), (1, 128), (1, 256)}, bucketed.shapes
+    core = cells()[0]
+    trainer = ElasticTrainer(
+        init_model(MODEL), core, rl=RLConfig(), train=BUCKETS, keep_last_grads=True
+    )
+    assert set(trainer.shapes) == set(bucketed.shapes)
+    assert trainer.precompile(core) > 0
+    count = trainer.compile_count
+    got = trainer.train_step(bucketed)
+    assert not got.skipped and got.micro_steps_per_cell == {0: bucketed.num_micro_steps}
+    assert trainer.compile_count == count + 1  # the optimizer update only
+
+    plain = ElasticTrainer(
+        init_model(MODEL), core, rl=RLConfig(), train=TRAIN, keep_last_grads=True
+    )
+    want = plain.train_step(plain_batch)
+    assert got.metrics["tokens"] == want.metrics["tokens"]
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got.metrics[name], want.metrics[name], rtol=1e-5)
+    assert_trees_close(trainer.last_grads, plain.last_grads)
 
 
 def optimizer_state_np(trainer):

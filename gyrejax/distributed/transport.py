@@ -7,7 +7,8 @@ Process 0 holds the core and drives the trainer (`train_step`, `join`, `release`
 (gyrejax/train/trainer.py); this module only carries it:
 
 1. Process 0 publishes the step (its number, the training cells, the micro-step count,
-   the version) and the packed rows (`Decisions`).
+   the version) and the packed rows with where each micro-step lies in them (their
+   offsets and row lengths: with row buckets, micro-steps differ in shape) (`Decisions`).
 2. Weight pull: one collective over the step's cells copies the core's weights onto
    every satellite, device to device across processes (`CrossCellBroadcast`); or, as
    the fallback (`weight_pull="snapshot"`), process 0 writes an Orbax weights-only
@@ -57,20 +58,30 @@ from gyrejax.train.transport import (
     Transport,
 )
 from gyrejax.trajectory import PackedBatch
-from gyrejax.trajectory.rows import MICRO_STEP_FIELDS, training_rows
+from gyrejax.trajectory.rows import MICRO_STEP_FIELDS, micro_step_cut, training_rows
 
 WEIGHT_PULLS = ("collective", "snapshot")
 
 
-def _pack_rows(rows: dict[str, np.ndarray]) -> bytes:
+# Besides the rows: where each micro-step lies in them (`rows.micro_step_cut`).
+_LAYOUT_FIELDS = ("micro_step_offsets", "row_lengths")
+
+
+def _pack_rows(batch: PackedBatch) -> dict[str, np.ndarray]:
+    """The rows of `batch` a step trains, and the layout of its micro-steps."""
+    rows = training_rows(lambda f: getattr(batch, f))
+    return rows | {f: np.asarray(getattr(batch, f)) for f in _LAYOUT_FIELDS}
+
+
+def _to_bytes(rows: dict[str, np.ndarray]) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **rows)
     return buffer.getvalue()
 
 
-def _unpack_rows(data: bytes) -> dict[str, np.ndarray]:
+def _from_bytes(data: bytes) -> dict[str, np.ndarray]:
     with np.load(io.BytesIO(data)) as rows:
-        return {f: rows[f] for f in MICRO_STEP_FIELDS}
+        return {f: rows[f] for f in (*MICRO_STEP_FIELDS, *_LAYOUT_FIELDS)}
 
 
 class _Step(StepExchange):
@@ -94,8 +105,8 @@ class _Step(StepExchange):
         return m if m < self.plan.num_micro_steps else None
 
     def rows(self, m: int) -> dict[str, np.ndarray]:
-        r = self.plan.rows_per_micro_step
-        return {f: v[m * r : (m + 1) * r] for f, v in self._rows.items()}
+        cut = micro_step_cut(self._rows["micro_step_offsets"], self._rows["row_lengths"], m)
+        return {f: self._rows[f][cut] for f in MICRO_STEP_FIELDS}
 
     def weights(self, cell: Cell) -> tuple[object, float]:
         if cell.index == self._transport.core.index:
@@ -157,10 +168,10 @@ class MultiProcessTransport(Transport):
         snapshot = None
         if self.weight_pull == "snapshot" and any(self._owners[i] != 0 for i in cells):
             snapshot = str(self._snapshot(params, plan.version))
-        rows = training_rows(lambda f: getattr(batch, f))
+        rows = _pack_rows(batch)
         # Every follower has read the previous step's keys (its reduction needed them).
         self.decisions.delete(f"step/{plan.step - 1}")
-        self.decisions.put_bytes(f"step/{plan.step}/rows", _pack_rows(rows))
+        self.decisions.put_bytes(f"step/{plan.step}/rows", _to_bytes(rows))
         self.decisions.publish(
             "step",
             step=plan.step,
@@ -274,7 +285,7 @@ class MultiProcessTransport(Transport):
         )
         rows = None
         if any(self._owners[i] == self.process for i in cells):
-            rows = _unpack_rows(self.decisions.get_bytes(f"step/{number}/rows"))
+            rows = _from_bytes(self.decisions.get_bytes(f"step/{number}/rows"))
         step = _Step(self, plan, rows, weight_pull, joined_mid_step=decision.kind == "join")
         if rows is not None:
             step.pulled = self._pull(cells, None, weight_pull, payload["snapshot"])

@@ -39,11 +39,14 @@ from gyrejax.trajectory.process import check_execution
 
 def process_options(config: Config, step: int) -> dict:
     """The arguments of `trajectory.process` for the step after `step` steps: the one
-    place they are taken from the config (row shape, vocabulary, evaluation budget,
-    admission, advantages). Admission is seeded by `seed + step`, so a resumed run
-    makes the same batches."""
+    place they are taken from the config (row shape and buckets, vocabulary, evaluation
+    budget, admission, advantages). Admission is seeded by `seed + step`, so a resumed
+    run makes the same batches."""
+    train = config.train
     return dict(
-        row_length=config.train.row_length,
+        row_length=train.row_length,
+        row_lengths=train.all_row_lengths if train.row_lengths else None,
+        max_row_shapes=train.max_row_shapes or None,
         vocab_size=config.model.vocab_size,
         eval_retry_budget=config.harness.eval_retry_budget,
         j_max=config.rl.j_max,
@@ -69,7 +72,8 @@ def batch_at(
     by_group = store.groups(list(dict.fromkeys(groups)), skipped=skipped)
     executions = [ex for g in dict.fromkeys(groups) for ex in by_group[g]]
     options = process_options(config, step)
-    limits = {k: options[k] for k in ("row_length", "vocab_size", "eval_retry_budget")}
+    limits = {k: options[k] for k in ("vocab_size", "eval_retry_budget")}
+    limits["row_length"] = config.train.all_row_lengths[-1]  # as `process` checks calls
     try:
         return process(executions, **options), skipped
     except ValueError:

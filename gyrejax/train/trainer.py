@@ -24,7 +24,10 @@ processes (`gyrejax.distributed.transport`), where process 0 drives `train_step`
 the others run `follow`, the same step from a follower's side.
 
 Every function that runs on a cell is compiled ahead of time once per cell and kept, so
-a satellite that leaves and rejoins never recompiles (`compile_count` proves it). A new
+a satellite that leaves and rejoins never recompiles (`compile_count` proves it). With
+row buckets (`train.row_lengths`) a batch's micro-steps come in a few shapes, one per
+row length (`micro_step_shapes`); each is compiled once per cell, all ahead of time, and
+each micro-step runs the one of its shape. A new
 training phase on the same weights (`begin_phase`: RL after the warm start) keeps the
 layout and whatever compiled function still fits.
 """
@@ -61,9 +64,27 @@ from gyrejax.train.transport import (
     Transport,
 )
 from gyrejax.trajectory import PackedBatch
+from gyrejax.trajectory.buckets import rows_per_micro_step_for
 from gyrejax.trajectory.rows import MICRO_STEP_FIELDS, ROW_FIELDS
 
-__all__ = ["ElasticTrainer", "JoinReport", "LeaveReport", "StepReport", "make_optimizer"]
+__all__ = [
+    "ElasticTrainer",
+    "JoinReport",
+    "LeaveReport",
+    "StepReport",
+    "make_optimizer",
+    "micro_step_shapes",
+]
+
+
+def micro_step_shapes(config: TrainConfig) -> tuple[tuple[int, int], ...]:
+    """Every micro-step shape (rows, row length) a batch of `config` may have, one per
+    row length, as the packer makes them (`trajectory.buckets`); ascending lengths."""
+    r, base = config.rows_per_micro_step, config.row_length
+    return tuple(
+        (rows_per_micro_step_for(length, row_length=base, rows_per_micro_step=r), length)
+        for length in config.all_row_lengths
+    )
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -144,7 +165,7 @@ class ElasticTrainer:
         self.keep_last_grads = keep_last_grads
         self.last_grads = None
         self._compiles = 0
-        self._compiled: dict[tuple, Callable] = {}  # micro-steps, by cell and objective
+        self._compiled: dict[tuple, Callable] = {}  # micro-steps, by cell, objective, shape
         self._zeros: dict[int, Callable] = {}  # gradient accumulators, by cell
         self._compile_lock = threading.Lock()
         self._reducers: dict[tuple[int, ...], CrossCellReducer] = {}
@@ -162,7 +183,7 @@ class ElasticTrainer:
         as a new trainer built from `model()` would: a fresh optimizer, step and version
         0, the current weights as the KL reference, the core alone in TRAINING. The
         weights stay where they are, and compiled functions that still fit are kept (a
-        micro-step of the same objective and row shape, the reductions, accumulators).
+        micro-step of the same objective and shape, the reductions, accumulators).
 
         Args:
           rl, train: the phase's configuration.
@@ -180,8 +201,8 @@ class ElasticTrainer:
         if transport is not None:
             transport.bind(self.layout, self.core)
             self.transport = transport
-        keep = (rl, train.rows_per_micro_step, train.row_length)
-        self._compiled = {k: v for k, v in self._compiled.items() if k[1:] == keep}
+        keep = {(rl, *shape) for shape in micro_step_shapes(train)}
+        self._compiled = {k: v for k, v in self._compiled.items() if k[1:] in keep}
         self._start_phase(rl, train)
 
     def _start_phase(self, rl: RLConfig, train: TrainConfig, initial=None) -> None:
@@ -223,8 +244,15 @@ class ElasticTrainer:
         """NamedSharding of every parameter on `cell`'s mesh (same layout on every cell)."""
         return self.layout.shardings(cell)
 
-    def _row_sharding(self, cell: Cell) -> NamedSharding:
-        shape = (self.train_config.rows_per_micro_step, self.train_config.row_length)
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """The micro-step shapes this phase compiles on every cell (`micro_step_shapes`)."""
+        return micro_step_shapes(self.train_config)
+
+    def _row_sharding(self, cell: Cell, shape: tuple[int, int] | None = None) -> NamedSharding:
+        """Rows of one micro-step of `shape` (default: the base [R, L]) on `cell`."""
+        if shape is None:
+            shape = (self.train_config.rows_per_micro_step, self.train_config.row_length)
         mesh_shape = dict(cell.mesh.shape)
         spec = sharding.logical_to_spec(("batch", "length"), self.rules, shape, mesh_shape)
         return NamedSharding(cell.mesh, spec)
@@ -241,11 +269,15 @@ class ElasticTrainer:
 
     # --- compiled functions, once per cell --------------------------------------------
 
-    def _compiled_for(self, cell: Cell) -> tuple[Callable, Callable, float]:
-        """The cell's compiled micro-step and gradient-accumulator initialiser, and the
-        seconds spent compiling them (0 if cached)."""
+    def _compiled_for(
+        self, cell: Cell, shape: tuple[int, int] | None = None
+    ) -> tuple[Callable, Callable, float]:
+        """The cell's compiled micro-step for rows of `shape` (default: the base [R, L])
+        and gradient-accumulator initialiser, and the seconds spent compiling them (0 if
+        cached)."""
         train, rl = self.train_config, self.rl
-        shape = (train.rows_per_micro_step, train.row_length)
+        if shape is None:
+            shape = (train.rows_per_micro_step, train.row_length)
         key = (cell.index, rl, *shape)
         with self._compile_lock:
             if key in self._compiled:
@@ -272,7 +304,7 @@ class ElasticTrainer:
                 finite = jnp.isfinite(loss) & jnp.all(jnp.stack(leaves))
                 return jax.tree.map(jnp.add, acc, grads), metrics, finite
 
-            row_sharding = self._row_sharding(cell)
+            row_sharding = self._row_sharding(cell, shape)
             rows = {
                 f: jax.ShapeDtypeStruct(shape, ROW_FIELDS[f], sharding=row_sharding)
                 for f in MICRO_STEP_FIELDS
@@ -293,11 +325,12 @@ class ElasticTrainer:
             return compiled, self._zeros[cell.index], time.perf_counter() - start
 
     def precompile(self, cell: Cell) -> float:
-        """Compiles `cell`'s micro-step ahead of its first join; returns seconds spent
-        (0 for a cell another process holds: that process compiles it)."""
+        """Compiles `cell`'s micro-step of every shape (`shapes`) ahead of its first
+        join; returns seconds spent (0 for a cell another process holds: that process
+        compiles it)."""
         if not self.transport.holds(cell):
             return 0.0
-        return self._compiled_for(cell)[2]
+        return sum(self._compiled_for(cell, shape)[2] for shape in self.shapes)
 
     def _reducer_for(self, cells: tuple[Cell, ...]) -> CrossCellReducer:
         key = tuple(c.index for c in cells)
@@ -390,8 +423,9 @@ class ElasticTrainer:
         """Runs one step over every micro-step of `batch` with the cells in TRAINING.
 
         Args:
-          batch: rows of shape [M * R, L] with R = train.rows_per_micro_step and
-            L = train.row_length.
+          batch: packed with R = train.rows_per_micro_step and L = train.row_length
+            (rows of [M * R, L]), or with row buckets of `train.all_row_lengths`: every
+            micro-step's shape is one of `shapes`.
           on_micro_step: called after each of this process's micro-steps as (index,
             cell), from the worker thread; it may call `join` (tests and the scheduler
             use this).
@@ -520,16 +554,19 @@ class ElasticTrainer:
         return reducer(held)
 
     def _check_batch(self, batch: PackedBatch) -> None:
-        r, length = self.train_config.rows_per_micro_step, self.train_config.row_length
-        if batch.tokens.shape[1] != length or batch.tokens.shape[0] % r:
-            raise ValueError(
-                f"packed batch rows {batch.tokens.shape} do not fit micro-steps of "
-                f"[train.rows_per_micro_step={r}, train.row_length={length}]"
-            )
+        train = self.train_config
+        r, length = train.rows_per_micro_step, train.row_length
         if batch.rows_per_micro_step != r:
             raise ValueError(
                 f"packed batch has rows_per_micro_step={batch.rows_per_micro_step}, "
                 f"the trainer expects train.rows_per_micro_step={r}"
+            )
+        unknown = sorted(set(batch.shapes) - set(self.shapes))
+        if unknown:
+            raise ValueError(
+                f"packed batch micro-steps of shapes {unknown} do not fit micro-steps of "
+                f"[train.rows_per_micro_step={r}, train.row_length={length}] "
+                f"(train.row_lengths={train.row_lengths}): expected shapes {list(self.shapes)}"
             )
 
     # --- worker -------------------------------------------------------------------------
@@ -543,8 +580,11 @@ class ElasticTrainer:
             start = time.perf_counter()
             reference = jax.device_put(self.reference, self.param_shardings(cell))
             pull_s += time.perf_counter() - start
-        micro_step, zeros, compile_s = self._compiled_for(cell)
-        row_sharding = self._row_sharding(cell)
+        # Every shape, before claiming (none if precompiled): a claim is never held up.
+        compiled = {shape: self._compiled_for(cell, shape) for shape in self.shapes}
+        zeros = compiled[self.shapes[0]][1]
+        compile_s = sum(c[2] for c in compiled.values())
+        shardings = {shape: self._row_sharding(cell, shape) for shape in compiled}
         acc = None
         version = np.int32(run.exchange.plan.version)
         first_s = None
@@ -552,8 +592,10 @@ class ElasticTrainer:
             claimed = time.perf_counter()
             if acc is None:
                 acc = zeros()
-            rows = jax.device_put(run.exchange.rows(m), row_sharding)
-            acc, metrics, finite = micro_step(params, reference, acc, rows, version)
+            rows = run.exchange.rows(m)
+            shape = rows["tokens"].shape
+            rows = jax.device_put(rows, shardings[shape])
+            acc, metrics, finite = compiled[shape][0](params, reference, acc, rows, version)
             metrics, finite = jax.device_get((metrics, finite))
             if first_s is None:
                 first_s = time.perf_counter() - claimed

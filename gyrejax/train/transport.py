@@ -68,7 +68,8 @@ class StepPlan:
       version: the policy version of the weights it trains from.
       cells: the cells that start it, in the trainer's order (core first).
       num_micro_steps: the micro-steps to claim.
-      rows_per_micro_step: R, the rows of each.
+      rows_per_micro_step: R, the rows of each of the base length (rows of other
+        lengths, with row buckets: `PackedBatch.micro_step_shape`).
     """
 
     step: int
@@ -120,7 +121,8 @@ class StepExchange(abc.ABC):
 
     @abc.abstractmethod
     def rows(self, m: int) -> dict[str, np.ndarray]:
-        """Micro-step m's `rows.MICRO_STEP_FIELDS`, each [rows_per_micro_step, row_length]."""
+        """Micro-step m's `rows.MICRO_STEP_FIELDS`, each of its shape (`PackedBatch.
+        micro_step_shape(m)`: [R, L] without row buckets)."""
 
     @abc.abstractmethod
     def weights(self, cell: Cell) -> tuple[object, float]:
@@ -234,8 +236,7 @@ class _InProcessStep(StepExchange):
         return self._queue.claim()
 
     def rows(self, m: int) -> dict[str, np.ndarray]:
-        r = self.plan.rows_per_micro_step
-        return training_rows(lambda f: getattr(self._batch, f), slice(m * r, (m + 1) * r))
+        return training_rows(self._batch.micro_step(m))
 
     def weights(self, cell: Cell) -> tuple[object, float]:
         if cell.index == self._core.index:

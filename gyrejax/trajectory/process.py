@@ -28,7 +28,7 @@ from gyrejax.trajectory.records import (
     validate_calls,
     validate_for_training,
 )
-from gyrejax.trajectory.rows import ROW_FIELDS, padding_rows
+from gyrejax.trajectory.rows import ROW_FIELDS, micro_step_cut, padding_rows
 from gyrejax.trajectory.tree import build_tree
 
 
@@ -128,10 +128,8 @@ class PackedBatch:
 
     def micro_step_shape(self, m: int) -> tuple[int, int]:
         """(rows, row length) of micro-step m."""
-        if not 0 <= m < self.num_micro_steps:
-            raise IndexError(f"micro-step {m} out of range [0, {self.num_micro_steps})")
-        start, stop = self.micro_step_offsets[m : m + 2]
-        return int(stop - start), int(self.row_lengths[start])
+        rows, cols = micro_step_cut(self.micro_step_offsets, self.row_lengths, m)
+        return rows.stop - rows.start, cols.stop
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
@@ -141,10 +139,8 @@ class PackedBatch:
 
     def micro_step(self, m: int) -> dict[str, np.ndarray]:
         """The per-token arrays of micro-step m, each of `micro_step_shape(m)`."""
-        rows, length = self.micro_step_shape(m)
-        start = int(self.micro_step_offsets[m])
-        sl = (slice(start, start + rows), slice(0, length))
-        return {name: getattr(self, name)[sl] for name in ROW_FIELDS}
+        cut = micro_step_cut(self.micro_step_offsets, self.row_lengths, m)
+        return {name: getattr(self, name)[cut] for name in ROW_FIELDS}
 
 
 # PackedBatch declares the schema's fields as its first attributes, in the schema's order.

@@ -48,6 +48,22 @@ def padding_rows(n: int, row_length: int, pad_id: int = 0) -> dict[str, np.ndarr
     return rows
 
 
+def micro_step_cut(
+    micro_step_offsets: np.ndarray, row_lengths: np.ndarray, m: int
+) -> tuple[slice, slice]:
+    """Where micro-step m lies in a batch's [rows, width] arrays: its rows
+    [offsets[m], offsets[m + 1]), cut to their row length (one length per micro-step).
+
+    Raises:
+      IndexError: m is not a micro-step of the batch.
+    """
+    num = len(micro_step_offsets) - 1
+    if not 0 <= m < num:
+        raise IndexError(f"micro-step {m} out of range [0, {num})")
+    start, stop = (int(x) for x in micro_step_offsets[m : m + 2])
+    return slice(start, stop), slice(0, int(row_lengths[start]))
+
+
 def training_rows(
     get: Callable[[str], np.ndarray] | Mapping[str, np.ndarray], rows: slice = slice(None)
 ) -> dict[str, np.ndarray]:
