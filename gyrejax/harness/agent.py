@@ -139,9 +139,13 @@ class Harness:
 
     async def _score(self, run: _Run, status: str) -> tuple[float | None, str, int]:
         return await score_workspace(
-            self.env, run.task, run.workspace, status, run.execution_id,
+            self.env,
+            run.task,
+            run.workspace,
+            status,
+            run.execution_id,
             self.config.eval_retry_budget,
-        )  # fmt: skip
+        )
 
     # --- agents ----------------------------------------------------------------------------
 

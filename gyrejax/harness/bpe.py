@@ -36,8 +36,14 @@ from pathlib import Path
 import gyrejax
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
-                 "</tool_response>")  # fmt: skip
+MARKUP_TOKENS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
+)
 EOS_TOKEN = "<|im_end|>"  # ends an assistant turn: the harness's stop token
 PAD_TOKEN = "<|endoftext|>"
 
@@ -117,8 +123,10 @@ def train_tokenizer(files: Sequence[str | Path], vocab_size: int = 1024):
     added = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + added:
-        raise ValueError(f"vocab_size={vocab_size}: expected at least {len(alphabet) + added} "
-                         "(256 bytes and the added tokens)")  # fmt: skip
+        raise ValueError(
+            f"vocab_size={vocab_size}: expected at least {len(alphabet) + added} "
+            "(256 bytes and the added tokens)"
+        )
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -136,8 +144,9 @@ def train_tokenizer(files: Sequence[str | Path], vocab_size: int = 1024):
     return core
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024,
-                    files: Sequence[str | Path] | None = None) -> Path:  # fmt: skip
+def build_tokenizer(
+    out_dir: str | Path, vocab_size: int = 1024, files: Sequence[str | Path] | None = None
+) -> Path:
     """Trains the tokenizer (see module docstring) and saves it as an HF tokenizer
     directory (tokenizer.json, tokenizer_config.json, the chat template); returns it.
 

@@ -262,8 +262,9 @@ class HfChat:
         _, calls = split_tool_calls(_THINKING.sub("", raw))
         if len(calls) != 1:
             why = "no tool call" if not calls else f"{len(calls)} tool calls"
-            return _malformed(raw, f"{why}; make exactly one tool call per turn, one of: "
-                              f"{_TOOL_NAMES}")  # fmt: skip
+            return _malformed(
+                raw, f"{why}; make exactly one tool call per turn, one of: {_TOOL_NAMES}"
+            )
         name, arguments = calls[0]
         return tool_call_action(name, json.loads(arguments), raw)
 
@@ -285,8 +286,10 @@ class HfChat:
 def tool_call_text(name: str, arguments: dict) -> str:
     """A tool call as a Qwen3 chat template renders it (json.dumps spacing)."""
     payload = json.dumps(name, ensure_ascii=False)
-    return (f'<tool_call>\n{{"name": {payload}, "arguments": '
-            f"{json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>")  # fmt: skip
+    return (
+        f'<tool_call>\n{{"name": {payload}, "arguments": '
+        f"{json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>"
+    )
 
 
 def tool_call_action(name: str, arguments, raw: str = "") -> Action:
@@ -308,7 +311,7 @@ def tool_call_action(name: str, arguments, raw: str = "") -> Action:
             for what, names in (("unknown", unknown), ("missing", missing), ("not text:", wrong))
             if names
         ]
-        return _malformed(raw, f"{name}: arguments {'; '.join(problems)}")  # fmt: skip
+        return _malformed(raw, f"{name}: arguments {'; '.join(problems)}")
     values = {fields[a]: v for a, v in arguments.items()}
     for field in ("path", "subtask", "result"):  # as the text syntax strips them
         if field in values:

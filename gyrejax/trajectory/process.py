@@ -420,9 +420,12 @@ def _plan_bucketed(
             fills = np.asarray([longest - row.free for row in rows], dtype=np.int64)
             allowed = [m for m in menu if m <= longest]
             choice = choose_lengths(
-                fills, allowed, max_shapes, base_length=row_length,
+                fills,
+                allowed,
+                max_shapes,
+                base_length=row_length,
                 rows_per_micro_step=rows_per_micro_step,
-            )  # fmt: skip
+            )
             if best is None or choice.key < best[2].key:
                 best = (rows, units, choice)
     assert best is not None  # every call fits the longest length (checked above)
