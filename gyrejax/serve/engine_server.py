@@ -53,9 +53,9 @@ from gyrejax.serve.http import (
     bearer_token,
     check_secret,
     define_limit_flags,
-    is_loopback,
     limits_from_flags,
     same_token,
+    secret_from_flags,
 )
 from gyrejax.serve.wire import ENGINE_PREFIX as PREFIX
 
@@ -313,16 +313,10 @@ def build_engine() -> Engine:
 def token_from_flags() -> str | None:
     """--token, else $GYREJAX_ENGINE_TOKEN, else None with --insecure_no_auth on loopback
     (app.UsageError otherwise, before any model is loaded)."""
-    token = FLAGS.token or os.environ.get(ENGINE_TOKEN_ENV) or None
-    if token is None and not FLAGS.insecure_no_auth:
-        raise app.UsageError(
-            f"no token: give --token or set {ENGINE_TOKEN_ENV} (or --insecure_no_auth "
-            "with a loopback --host)"
-        )
-    if token is None and not is_loopback(FLAGS.host):
-        raise app.UsageError(f"--insecure_no_auth: --host={FLAGS.host!r} is not loopback")
     try:
-        return None if token is None else check_secret(token, "--token")
+        return secret_from_flags(
+            FLAGS.token, ENGINE_TOKEN_ENV, "--token", "token", FLAGS.host, FLAGS.insecure_no_auth
+        )
     except ValueError as e:
         raise app.UsageError(str(e)) from None
 

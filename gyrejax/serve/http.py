@@ -31,6 +31,7 @@ import dataclasses
 import hmac
 import ipaddress
 import json
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -173,6 +174,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def secret_from_flags(
+    given: str, env: str, flag: str, what: str, host: str, insecure_no_auth: bool
+) -> str | None:
+    """A server's secret: the flag's value, else $env, else None when `insecure_no_auth`
+    on a loopback `host` (ValueError with one line otherwise, before anything starts)."""
+    secret = given or os.environ.get(env) or None
+    if secret is None and not insecure_no_auth:
+        raise ValueError(
+            f"no {what}: give {flag} or set {env} (or --insecure_no_auth with a loopback --host)"
+        )
+    if secret is None and not is_loopback(host):
+        raise ValueError(f"--insecure_no_auth: --host={host!r} is not loopback")
+    return None if secret is None else check_secret(secret, flag)
 
 
 # --- bodies -----------------------------------------------------------------------------

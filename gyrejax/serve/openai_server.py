@@ -56,7 +56,6 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import os
 import secrets
 import time
 import uuid
@@ -87,9 +86,9 @@ from gyrejax.serve.http import (
     bearer_token,
     check_secret,
     define_limit_flags,
-    is_loopback,
     limits_from_flags,
     same_token,
+    secret_from_flags,
 )
 from gyrejax.serve.wire import FieldError, as_float, as_int, get
 from gyrejax.trajectory import STATUSES, Execution, ExecutionStore, role_priority
@@ -693,16 +692,10 @@ def define_flags() -> None:
 def api_key_from_flags() -> str | None:
     """--api_key, else $GYREJAX_API_KEY, else None with --insecure_no_auth on loopback
     (app.UsageError otherwise, before any engine is contacted)."""
-    key = FLAGS.api_key or os.environ.get(API_KEY_ENV) or None
-    if key is None and not FLAGS.insecure_no_auth:
-        raise app.UsageError(
-            f"no admin key: give --api_key or set {API_KEY_ENV} (or --insecure_no_auth "
-            "with a loopback --host)"
-        )
-    if key is None and not is_loopback(FLAGS.host):
-        raise app.UsageError(f"--insecure_no_auth: --host={FLAGS.host!r} is not loopback")
     try:
-        return None if key is None else check_secret(key, "--api_key")
+        return secret_from_flags(
+            FLAGS.api_key, API_KEY_ENV, "--api_key", "admin key", FLAGS.host, FLAGS.insecure_no_auth
+        )
     except ValueError as e:
         raise app.UsageError(str(e)) from None
 
