@@ -3,7 +3,8 @@ in front of them, the weights each engine gets, and the publication at a burst's
 
 Every cell gets an engine (`rollout.factory.make_engine`, precompiled so that no role
 switch waits for a compile; a multi-process run passes its own `CellEngines`, reaching
-another process's cells by URL). External engines (`rollout.vllm_servers`,
+another process's cells by URL; `rollout.engine=vllm` starts each from the published
+export of the start version). External engines (`rollout.vllm_servers`,
 `rollout.engine_servers`) always roll out, beside the policy's cells. An engine whose
 `weights_by_path` is set gets an HF export of each version (`PublishedWeights`:
 `workdir/published/version_<v>`, written by this run, never an earlier run's); the
@@ -101,7 +102,15 @@ class Rollout:
         return self.proxy
 
     async def _local_engine(self, cell: Cell, model: Transformer, version: int) -> Engine:
-        return make_engine(cell, model, self.ctx.config.rollout, version=version, precompile=True)
+        rollout = self.ctx.config.rollout
+        checkpoint = None
+        if rollout.engine == "vllm":  # it starts from this version's export, shared by all
+            checkpoint = await self.published.path(version, lambda: model)
+        # In a thread: a vLLM engine takes seconds to start.
+        return await asyncio.to_thread(
+            make_engine, cell, model, rollout, version=version, precompile=True,
+            checkpoint=checkpoint,
+        )  # fmt: skip
 
     async def _precompile_training(self) -> None:
         """Compiles every cell's micro-step once the engines compiled what they first
