@@ -88,12 +88,20 @@ class Rollout:
         self.published = PublishedWeights(ctx.workdir / "published")
 
     async def start(self) -> Proxy:
-        """Starts every engine (those started so far are shut down by `shutdown` even if a
-        later one fails) and the proxy in front of them."""
+        """Starts every engine, concurrently where they start in threads (vLLM's; those
+        started are shut down by `shutdown` even if another fails) and the proxy in front
+        of them."""
         trainer = self.ctx.trainer
-        for cell in self.ctx.cells:
-            engine = await self._cell_engines(cell, trainer.model(), trainer.version)
-            self.engines[cell.index] = engine
+        cells = self.ctx.cells
+        starts = [self._cell_engines(c, trainer.model(), trainer.version) for c in cells]
+        started = await asyncio.gather(*starts, return_exceptions=True)
+        for cell, engine in zip(cells, started, strict=True):
+            if not isinstance(engine, BaseException):
+                self.engines[cell.index] = engine
+        for engine in started:
+            if isinstance(engine, BaseException):
+                raise engine
+        for engine in self.engines.values():
             if engine.version != trainer.version:  # e.g. a remote one, in a resumed run
                 await engine.update_weights(await self.weights_for(engine), trainer.version)
         self.ctx.spawn(self._precompile_training())
@@ -103,14 +111,14 @@ class Rollout:
 
     async def _local_engine(self, cell: Cell, model: Transformer, version: int) -> Engine:
         rollout = self.ctx.config.rollout
-        checkpoint = None
-        if rollout.engine == "vllm":  # it starts from this version's export, shared by all
-            checkpoint = await self.published.path(version, lambda: model)
-        # In a thread: a vLLM engine takes seconds to start.
+        if rollout.engine != "vllm":
+            return make_engine(cell, model, rollout, version=version, precompile=True)
+        # vLLM: from this version's export, shared by all cells; in a thread, so that the
+        # cells' engines start together (each takes long: it spawns processes).
+        checkpoint = await self.published.path(version, lambda: model)
         return await asyncio.to_thread(
-            make_engine, cell, model, rollout, version=version, precompile=True,
-            checkpoint=checkpoint,
-        )  # fmt: skip
+            make_engine, cell, model, rollout, version=version, checkpoint=checkpoint
+        )
 
     async def _precompile_training(self) -> None:
         """Compiles every cell's micro-step once the engines compiled what they first

@@ -9,8 +9,11 @@ outside the cells (vLLM servers, engine servers) are reached by URL instead
 engine core as a process of its own), started from an HF export of the model: the
 caller's (`checkpoint`, e.g. the run's published export of that version) or one written
 to a temporary directory, removed once vLLM has loaded it. On CPU its KV cache is sized
-for `max_slots` full-length sequences (vLLM would otherwise take a share of host memory);
-on GPU it takes `gpu_memory_utilization` of the cell's devices.
+for `max_slots` full-length sequences (vLLM would otherwise take a share of host memory),
+it frees its memory by stopping (no sleep mode there) and loads each version from the
+HF export. On GPU (UNTESTED: no GPU here) it runs on the cell's GPUs, takes
+`gpu_memory_utilization` of them, sleeps to free them, and a one-GPU cell gets each
+version in memory (CUDA IPC, HF-named by `hf_io.hf_tensors`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
+
+import jax
+from flax import nnx
 
 from gyrejax.cells import Cell
 from gyrejax.config import ENGINES, RolloutConfig
@@ -51,11 +57,21 @@ def _vllm_engine(
     precompile: bool,
     checkpoint: str | os.PathLike | None = None,
 ) -> Engine:
-    from gyrejax.model.hf_io import export_hf
+    from gyrejax.model.hf_io import export_hf, hf_tensors
     from gyrejax.rollout.vllm_engine import VllmEngine  # vLLM is optional: imported here
 
     on_cpu = cell.devices[0].platform == "cpu"
     m = model.config
+    gpu = {}
+    if not on_cpu:  # UNTESTED (no GPU here): the cell's GPUs; in-memory updates on one GPU
+        gpu["devices"] = [d.local_hardware_id for d in cell.devices]
+        if len(cell.devices) == 1:  # vLLM's IPC handles name one GPU per tensor
+            graphdef = nnx.graphdef(model)
+            device = cell.devices[0]
+            gpu["weight_transfer"] = "ipc"
+            gpu["params_to_hf"] = lambda params: hf_tensors(
+                nnx.merge(graphdef, params), lambda x: jax.device_put(x, device)
+            )
     with tempfile.TemporaryDirectory(prefix=f"gyrejax-{name}-") as tmp:
         if checkpoint is None:
             checkpoint = export_hf(model, tmp)
@@ -69,6 +85,7 @@ def _vllm_engine(
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_bytes(model, config) if on_cpu else None,
             release="stop" if on_cpu else "sleep",
+            **gpu,
         )
 
 

@@ -52,7 +52,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +66,8 @@ _VLLM_GREEDY_BELOW = 1e-5
 # Mixes the number of tokens already generated into the seed of a re-submitted request.
 _SEED_STRIDE = 0x9E3779B1
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+# Held while an engine starts with its own CUDA_VISIBLE_DEVICES (the env is per process).
+_SPAWN_ENV_LOCK = threading.Lock()
 # config.json fields a weight update must keep.
 _SHAPE_FIELDS = tuple(
     "model_type vocab_size hidden_size intermediate_size num_hidden_layers "
@@ -146,6 +148,10 @@ class VllmEngine(Engine):
         "keep"; None: "sleep" where vLLM has sleep mode, else "keep".
       weight_transfer: "ipc" enables in-memory weight updates from CUDA tensors
         (`update_weights` with a mapping); needs a GPU. Untested on CPU.
+      params_to_hf: turns the `Params` an in-memory update gets (the trainer's arrays)
+        into HF-named tensors (`hf_io.hf_tensors`); None: they come HF-named.
+      devices: GPU ordinals it runs on (its processes' CUDA_VISIBLE_DEVICES, tensor
+        parallel over them); None: vLLM's default. Ignored on CPU. UNTESTED (no GPU here).
       engine_args: further `vllm.AsyncEngineArgs` fields (they override the above).
       startup_timeout_s: how long to wait for vLLM to start.
 
@@ -177,6 +183,8 @@ class VllmEngine(Engine):
         sleep_level: int = 1,
         release: str | None = None,
         weight_transfer: str | None = None,
+        params_to_hf: Callable[[Mapping], Mapping] | None = None,
+        devices: Sequence[int] | None = None,
         engine_args: Mapping | None = None,
         startup_timeout_s: float = 600.0,
     ):
@@ -200,6 +208,7 @@ class VllmEngine(Engine):
         self.max_seq_len = max_seq_len
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
+        self._params_to_hf = params_to_hf
         self._version = version
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()  # guards _held across the caller and engine threads
@@ -240,6 +249,9 @@ class VllmEngine(Engine):
         )
         if kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        self._devices = None if self.on_cpu or not devices else ",".join(map(str, devices))
+        if self._devices is not None:
+            args["tensor_parallel_size"] = len(devices)
         if weight_transfer is not None:
             from vllm.config import WeightTransferConfig
 
@@ -327,6 +339,8 @@ class VllmEngine(Engine):
                     f"engine {self.name}: in-memory weights need weight_transfer='ipc' (GPU); "
                     "pass an HF checkpoint directory instead"
                 )
+            if self._params_to_hf is not None:
+                weights = self._params_to_hf(weights)
             load = lambda llm: _send_ipc(llm, weights)
         else:
             raise TypeError(
@@ -506,7 +520,19 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._update_lock = asyncio.Lock()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        if self._devices is None:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        else:  # its processes inherit the cell's GPUs (one engine starts at a time)
+            with _SPAWN_ENV_LOCK:
+                before = os.environ.get("CUDA_VISIBLE_DEVICES")
+                os.environ["CUDA_VISIBLE_DEVICES"] = self._devices
+                try:
+                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+                finally:
+                    if before is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES")
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = before
         await self._llm.update_weight_version(str(self._version))
         if self.weight_transfer == "ipc":
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
