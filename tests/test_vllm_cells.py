@@ -4,8 +4,8 @@ log-prob equals a JAX forward pass of the weights of its recorded version: the s
 weights for version 0, the run's published export for version 1. On CPU each engine
 frees its memory by stopping its engine core and starts again at the weight pull.
 
-Slow for a unit test (vLLM engine starts on 2 cores): see the timing in the report of
-the test's first run (WORKSPACE.md, tests).
+Slow (marked): 4-6 minutes on 2 busy cores, mostly vLLM starting (two engines at
+once, then each again when its cell returns from training).
 """
 
 import numpy as np
@@ -39,6 +39,7 @@ def token_logprobs(model, prompt_ids, output_ids) -> np.ndarray:
     return logp[start + np.arange(len(output_ids)), output_ids]
 
 
+@pytest.mark.slow
 def test_rl_on_two_vllm_cells_keeps_exact_logprobs_per_version(tmp_path):
     c = load_config_file("tiny_cpu", "smoke")
     c.cells.size, c.cells.fsdp = 4, 4  # two cells
