@@ -32,7 +32,13 @@ from gyrejax.rollout.engine import Engine
 
 
 def _jax_engine(
-    name: str, cell: Cell, model: Transformer, config: RolloutConfig, version: int, precompile: bool
+    name: str,
+    cell: Cell,
+    model: Transformer,
+    config: RolloutConfig,
+    version: int,
+    precompile: bool,
+    checkpoint: str | os.PathLike | None,  # unused: it copies `model`'s arrays
 ) -> Engine:
     from gyrejax.rollout.jax_engine import JaxEngine
 
@@ -54,8 +60,8 @@ def _vllm_engine(
     model: Transformer,
     config: RolloutConfig,
     version: int,
-    precompile: bool,
-    checkpoint: str | os.PathLike | None = None,
+    precompile: bool,  # unused: vLLM compiles (or not) as it starts
+    checkpoint: str | os.PathLike | None,
 ) -> Engine:
     from gyrejax.model.hf_io import export_hf, hf_tensors
     from gyrejax.rollout.vllm_engine import VllmEngine  # vLLM is optional: imported here
@@ -128,7 +134,5 @@ def make_engine(
       checkpoint: an HF export of `model`, for engines that start from one (vllm);
         default: one is written to a temporary directory.
     """
-    name = name or f"cell{cell.index}"
-    if config.engine == "vllm":
-        return _vllm_engine(name, cell, model, config, version, precompile, checkpoint)
-    return _KINDS[config.engine](name, cell, model, config, version, precompile)
+    build = _KINDS[config.engine]
+    return build(name or f"cell{cell.index}", cell, model, config, version, precompile, checkpoint)
