@@ -4,7 +4,7 @@ log-prob equals a JAX forward pass of the weights of its recorded version: the s
 weights for version 0, the run's published export for version 1. On CPU each engine
 frees its memory by stopping its engine core and starts again at the weight pull.
 
-Slow (marked): 4-6 minutes on 2 busy cores, mostly vLLM starting (two engines at
+Slow (marked): 2.5-6 minutes on 2 shared cores (by their load), mostly vLLM starting (two engines at
 once, then each again when its cell returns from training).
 """
 
