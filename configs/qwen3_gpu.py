@@ -208,7 +208,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
 
     # Rollout engines (a JAX engine on each rollout cell), as long as a row.
     c.rollout = config_dict.ConfigDict()
-    c.rollout.engine = "jax"
+    c.rollout.engine = "jax"  # "vllm" (vLLM on each cell) is untested on GPUs
     c.rollout.max_slots = 32  # concurrent executions per engine; the table says how many fit
     c.rollout.max_seq_len = row_length
     c.rollout.temperature = 1.0

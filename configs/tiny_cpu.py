@@ -86,7 +86,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
 
     # Rollout engines (JAX engine on each rollout cell).
     c.rollout = config_dict.ConfigDict()
-    c.rollout.engine = "jax"
+    c.rollout.engine = "jax"  # or "vllm": vLLM in-process on each cell (pip install -e '.[vllm]')
     c.rollout.max_slots = 16
     c.rollout.max_seq_len = 640
     c.rollout.temperature = 1.0

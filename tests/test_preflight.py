@@ -1,6 +1,7 @@
 """preflight.check_inputs on `model.tokenizer`: bytes, or an HF tokenizer directory that
-loads and that the model's vocabulary covers; each failure one line naming the field
-(launch runs it before JAX starts; tests/test_launch.py checks the line end to end)."""
+loads and that the model's vocabulary covers; and `rollout.engine=vllm` needs vllm
+installed. Each failure one line naming the field (launch runs it before JAX starts;
+tests/test_launch.py checks the line end to end)."""
 
 import pytest
 
@@ -57,3 +58,15 @@ def test_a_directory_without_tokenizer_files_is_named(tmp_path):
         f"config.model.tokenizer={tmp_path}: no tokenizer.json or tokenizer_config.json "
         "(not an HF tokenizer directory)"
     )
+
+
+def test_vllm_engine_without_vllm_installed_is_one_line(monkeypatch):
+    found = preflight.importlib.util.find_spec
+    monkeypatch.setattr(
+        preflight.importlib.util, "find_spec", lambda name: None if name == "vllm" else found(name)
+    )
+    preflight.check_inputs(from_dict({"rollout": {"engine": "jax"}}))
+    with pytest.raises(ConfigError) as error:
+        preflight.check_inputs(from_dict({"rollout": {"engine": "vllm"}}))
+    assert str(error.value).startswith("config.rollout.engine=vllm: the vllm package is not")
+    assert "\n" not in str(error.value)

