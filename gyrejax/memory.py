@@ -53,7 +53,7 @@ import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from gyrejax.config import MESH_AXES, CellsConfig, Config, ModelConfig, ShardingRules
+from gyrejax.config import CellsConfig, Config, ModelConfig, ShardingRules
 from gyrejax.model import sharding
 from gyrejax.model.transformer import Transformer
 from gyrejax.train.trainer import make_optimizer
@@ -68,8 +68,11 @@ LOGITS_COPIES = 3
 
 
 def cell_mesh(cells: CellsConfig) -> AbstractMesh:
-    """The abstract (fsdp, tensor) mesh of one cell: no devices needed."""
-    return AbstractMesh((cells.fsdp, cells.tensor), MESH_AXES)
+    """The abstract mesh of one cell (`CellsConfig.mesh_shape`): no devices needed. The
+    estimates below assume whole rows per device (cells.sequence = 1, as every GPU
+    variant sets)."""
+    shape = cells.mesh_shape
+    return AbstractMesh(tuple(shape.values()), tuple(shape))
 
 
 @functools.lru_cache(maxsize=8)
