@@ -25,6 +25,7 @@ from test_trajectory_process import (
 from gyrejax.trajectory import Execution, ModelCall, process
 from gyrejax.trajectory.buckets import choose_lengths, rows_per_micro_step_for
 from gyrejax.trajectory.microsteps import assign_bucketed_micro_steps
+from gyrejax.trajectory.process import ContextTooLong
 
 
 def micro_step_views(batch):
@@ -188,6 +189,25 @@ def test_bad_menus_are_refused():
     longest = max(c.length for ex in exs for c in ex.calls)
     with pytest.raises(ValueError, match="row_length"):
         process(exs, row_length=96, row_lengths=[longest - 1])
+
+
+def test_tree_longer_than_every_row_names_the_length_to_add():
+    # A call of 70 tokens with rows of at most 64: refused, naming what would hold it.
+    exs = [chain_execution("long", 60, 10), chain_execution("short", 10, 5)]
+    with pytest.raises(ContextTooLong) as info:
+        process(exs, row_length=32, row_lengths=[16, 32, 64], pad_id=PAD)
+    e = info.value
+    assert (e.execution_id, e.call_id, e.length, e.longest, e.suggested) == ("long", 0, 70, 64, 96)
+    for piece in ["'long' call 0", "70", "row_length 64", "train.row_lengths", "96"]:
+        assert piece in str(e), (piece, str(e))
+    # The suggested length added to the menu: the tree trains whole, in one longer row.
+    menu = [16, 32, 64, 96]
+    batch = process(exs, row_length=32, row_lengths=menu, j_max=None, pad_id=PAD)
+    pairs = check_bucketed(batch, menu, len(menu), 32, 1)
+    assert (batch.row_lengths == 96).sum() == 1 and batch.stats.repeated_tokens == 0
+    assert {(x, s) for x, s, *_ in pairs} == {
+        (x.execution_id, s) for x in exs for s in generated_prefixes(x)
+    }
 
 
 def reference_choice(fills, allowed, cap, base, r):

@@ -64,7 +64,7 @@ def batch_at(
 
     Left out: records the store skips (corrupt, or invalid fields), and executions the
     trajectory processor refuses for this config (a token id beyond model.vocab_size, a
-    call longer than train.row_length, ...). Those are looked for only after `process`
+    call longer than the longest row, ...). Those are looked for only after `process`
     raised, so the common case pays nothing extra.
     """
     groups = [group_ids[(position + i) % len(group_ids)] for i in range(config.rl.groups_per_step)]
@@ -74,6 +74,7 @@ def batch_at(
     options = process_options(config, step)
     limits = {k: options[k] for k in ("vocab_size", "eval_retry_budget")}
     limits["row_length"] = config.train.all_row_lengths[-1]  # as `process` checks calls
+    limits["base_length"] = config.train.row_length
     try:
         return process(executions, **options), skipped
     except ValueError:

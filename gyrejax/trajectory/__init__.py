@@ -6,7 +6,7 @@ devices itself). Entry point: `process(executions, row_length=...) -> PackedBatc
 
 from gyrejax.trajectory.admission import admission_rng, admit_paths
 from gyrejax.trajectory.advantages import get_advantage, known_advantages, register_advantage
-from gyrejax.trajectory.process import PackedBatch, PackStats, process
+from gyrejax.trajectory.process import ContextTooLong, PackedBatch, PackStats, process
 from gyrejax.trajectory.records import (
     STATUSES,
     Execution,
@@ -21,6 +21,7 @@ from gyrejax.trajectory.tree import Tree, build_tree
 
 __all__ = [
     "STATUSES",
+    "ContextTooLong",
     "Execution",
     "ExecutionStore",
     "ModelCall",

@@ -23,6 +23,7 @@ from gyrejax.trajectory.microsteps import assign_bucketed_micro_steps, row_costs
 from gyrejax.trajectory.packing import ForestLayout, assemble_rows, plan_rows, strategies
 from gyrejax.trajectory.records import (
     Execution,
+    ModelCall,
     check_token_range,
     check_unique_ids,
     validate_calls,
@@ -173,6 +174,40 @@ def _check_args(
         raise ValueError(f"pad_id must be an int32, got {pad_id!r}")
 
 
+class ContextTooLong(ValueError):
+    """A call's context (a root-to-leaf path of its tree) is longer than the longest row.
+
+    A tree too long for a row is trained in a longer row, split over the cell's
+    `sequence` axis (context parallelism), never cut: add a length to the menu
+    (train.row_lengths). Not a tree split with its trunk's K/V carried into a later row:
+    sharding the row divides per-device memory by the shards with one forward per row,
+    while a K/V carry needs a cache across rows (and micro-steps), an ordering of rows,
+    and gradients flowing back into the trunk's earlier forward. Nor an automatic
+    longer row: every shape is compiled ahead of time and sized against device memory
+    (`gyrejax.memory`), so an unplanned length would compile mid-run and may not fit.
+
+    Attributes:
+      execution_id, call_id: the call.
+      length: its context length (prompt + output).
+      longest: the longest row length it was checked against.
+      suggested: the shortest row length that would hold it (a multiple of the base
+        row length, as longer menu entries must be).
+    """
+
+    def __init__(self, call: ModelCall, longest: int, base_length: int) -> None:
+        self.execution_id, self.call_id = call.execution_id, call.call_id
+        self.length, self.longest = call.length, longest
+        self.suggested = -(-call.length // base_length) * base_length
+        super().__init__(
+            f"execution {call.execution_id!r} call {call.call_id}: context length "
+            f"{call.length} (prompt {len(call.prompt_ids)} + output {len(call.output_ids)}) "
+            f"> row_length {longest}, the longest row; a token trains only with its whole "
+            f"context in one row: add a train.row_lengths entry >= {call.length} (e.g. "
+            f"{self.suggested}: a multiple of train.row_length, and of cells.sequence, "
+            "over which such a row is split)"
+        )
+
+
 def check_execution(
     execution: Execution,
     *,
@@ -180,6 +215,7 @@ def check_execution(
     vocab_size: int | None = None,
     eval_retry_budget: int = 3,
     check_prompts: bool = True,
+    base_length: int | None = None,
 ) -> str:
     """Everything `process` requires of one execution on its own (arguments as in
     `process`); returns what `process` does with it: "train", "placeholder" or "drop".
@@ -188,11 +224,15 @@ def check_execution(
     `process` refuses (e.g. `gyrejax.train.loop`, after `process` raised).
 
     Args:
+      row_length: the longest row length (of `row_lengths` when given to `process`).
       check_prompts: also range-check prompt tokens (`process` leaves this to the tree
         builder, which sees each shared prompt token once).
+      base_length: `process`'s row_length, for the length `ContextTooLong` suggests
+        (None: row_length).
 
     Raises:
-      ValueError naming the execution (and call).
+      ContextTooLong for a call longer than row_length; ValueError naming the execution
+      (and call) for any other invalid record.
     """
     validate_calls(execution, vocab_size)
     decision = validate_for_training(execution, eval_retry_budget)
@@ -201,11 +241,7 @@ def check_execution(
         if check_prompts or decision == "drop":  # a dropped one never reaches the tree
             check_token_range(call.prompt_ids, vocab_size, where, "prompt_ids")
         if decision != "drop" and call.length > row_length:
-            raise ValueError(
-                f"{where}: context length {call.length} (prompt {len(call.prompt_ids)} + "
-                f"output {len(call.output_ids)}) > row_length {row_length}; a token can only "
-                "be trained with its full context in one row"
-            )
+            raise ContextTooLong(call, row_length, base_length or row_length)
     return decision
 
 
@@ -247,7 +283,9 @@ def process(
       A `PackedBatch`.
 
     Raises:
-      ValueError naming the execution (and call) for any invalid record.
+      ContextTooLong for a call longer than every row length (naming it, with the
+      train.row_lengths entry that would hold it); ValueError naming the execution (and
+      call) for any other invalid record.
     """
     _check_args(row_length, j_max, rows_per_micro_step, vocab_size, eval_retry_budget, pad_id)
     menu = (row_length,) if row_lengths is None else check_row_lengths(row_lengths, max_row_shapes)
@@ -264,6 +302,7 @@ def process(
         decision = check_execution(
             ex,
             row_length=menu[-1],
+            base_length=row_length,
             vocab_size=vocab_size,
             eval_retry_budget=eval_retry_budget,
             check_prompts=False,
