@@ -109,7 +109,9 @@ def test_kv_migration_continues_exactly(model, sampling):
 
 def test_resubmit_migration_without_kv(model):
     prompt = prompts(1, seed=3)[0]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=50)
+    # A long budget: "m" is exported about 8 tokens in, and must not finish meanwhile
+    # even when the engine thread decodes on while the test's loop waits for a core.
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=256 - 40)
 
     async def body(a, b):
         reference = await a.submit(Request("ref", prompt, sampling))

@@ -3,7 +3,7 @@ under bubblewrap, every escape the audit found (issue 15, finding 5) meets the k
 
 import logging
 import os
-import random
+import secrets
 import signal
 import socket
 import threading
@@ -301,7 +301,9 @@ def test_libc_system_cannot_write_outside(ws, outside):
 @needs_bwrap
 @pytest.mark.parametrize("ending", ["exit", "wall_clock"])
 def test_a_setsid_child_does_not_outlive_the_run(ws, ending):
-    marker = f"1000.{random.randrange(10**6):06d}"  # a sleep nobody else runs
+    # A sleep nobody else runs, even a concurrent run of this test (whose cleanup kills
+    # what it finds): `random` may be seeded alike in both, the OS's randomness is not.
+    marker = f"1000.{secrets.randbelow(10**6):06d}"
     script = libc_prelude() + (
         "import os, time\n"
         f"libc.system(b'setsid sleep {marker} </dev/null >/dev/null 2>&1 &')\n"
