@@ -3,16 +3,28 @@
 Tests that need another device count run in a subprocess.
 """
 
+import atexit
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session and every subprocess it starts (they
+# inherit the environment): most tests compile the same tiny programs, and loading one
+# from disk is much faster than compiling it. Fresh per session, so no stale entry can
+# hide a change; min time and size 0, since tiny CPU programs compile in under a second.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="gyrejax-test-jax-cache-")
+atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # after JAX_PLATFORMS is set
-import pytest
+import jax  # noqa: E402  (after the environment above is set)
+import pytest  # noqa: E402
 
 # Importing jax starts no backend; this must run before anything asks for devices.
 NUM_TEST_DEVICES = 8

@@ -226,26 +226,23 @@ def test_rl_runtime_rolls_out_on_an_external_vllm_server(tmp_path):
             )
 
 
-@pytest.mark.parametrize(
-    "without, message",
-    [
-        # the token-in/token-out endpoint off: nothing could be generated
-        (("--enable-scale-out",), "start it with --enable-scale-out"),
-        # raw log-probs: with temperature or top-p they are not the sampled distribution's,
-        # so PPO's ratios would be silently wrong
-        (("--logprobs-mode", "processed_logprobs"), "--logprobs-mode processed_logprobs"),
-    ],
-)
-def test_connect_names_the_missing_flag(checkpoints, without, message):
-    """A real vLLM server started without a flag this engine needs is refused by
-    `connect` with the flag to add, not used until a request fails or records wrong
-    log-probs."""
+def test_connect_names_every_missing_flag(checkpoints):
+    """A real vLLM server started without the flags this engine needs is refused by
+    `connect` with every flag to add in one message, not used until a request fails or
+    records wrong log-probs."""
+    # --enable-scale-out: the token-in/token-out endpoint, without which nothing could be
+    # generated; --logprobs-mode: raw log-probs are not the sampled distribution's under
+    # temperature or top-p, so PPO's ratios would be silently wrong.
+    without = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
     url, process = start_server(checkpoints[0], free_port(), without=without)
     try:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError) as error:
             run(VllmServerEngine.connect(url, name="v"))
     finally:
         kill_server_process(process)
+    message = str(error.value)
+    assert "start it with --enable-scale-out" in message, message
+    assert "start it with --logprobs-mode processed_logprobs" in message, message
 
 
 async def _weight_label(url) -> str:

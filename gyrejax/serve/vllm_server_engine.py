@@ -169,14 +169,16 @@ class VllmServerEngine(HttpEngine):
 
         Raises:
           EngineError: the server cannot be reached.
-          ValueError: it runs without a flag this engine needs (named in the message).
+          ValueError: it runs without flags this engine needs (all named in one message).
         """
         probe = cls(url, name=name, capacity=1, max_seq_len=2, version=version, **kwargs)
         try:
             config = await probe._server_config()
-            await probe._check_scale_out()
+            missing = probe._missing_logprobs_mode(config) + await probe._missing_scale_out()
         finally:
             await probe.shutdown()
+        if missing:
+            raise ValueError(f"vLLM server {url}: " + "; ".join(missing))
         model = config["model_config"]
         engine = cls(
             url,
@@ -387,10 +389,10 @@ class VllmServerEngine(HttpEngine):
             self.heartbeat = time.monotonic()
 
     async def _server_config(self) -> dict:
-        """The server's vLLM config, checked for what this engine needs.
+        """The server's vLLM config.
 
         Raises:
-          ValueError: dev mode is off, or the log-probs are not the processed ones.
+          ValueError: dev mode is off, so the config (and every other check) is unreadable.
         """
         try:
             info = await self._vllm("GET", "/server_info", params={"config_format": "json"})
@@ -399,21 +401,22 @@ class VllmServerEngine(HttpEngine):
                 f"vLLM server {self.url}: no /server_info ({e}); start it with "
                 "VLLM_SERVER_DEV_MODE=1"
             ) from None
-        config = info["vllm_config"]
+        return info["vllm_config"]
+
+    @staticmethod
+    def _missing_logprobs_mode(config: dict) -> list[str]:
+        """[] when the log-probs are the sampled distribution's, else what to add."""
         mode = config["model_config"].get("logprobs_mode")
-        if mode != "processed_logprobs":
-            raise ValueError(
-                f"vLLM server {self.url}: logprobs_mode={mode!r}; start it with "
-                "--logprobs-mode processed_logprobs (the log-probs PPO needs)"
-            )
-        return config
+        if mode == "processed_logprobs":
+            return []
+        return [
+            f"logprobs_mode={mode!r}; start it with --logprobs-mode processed_logprobs "
+            "(the log-probs PPO needs)"
+        ]
 
-    async def _check_scale_out(self) -> None:
+    async def _missing_scale_out(self) -> list[str]:
         """An empty generate request: a server with the token-in/token-out endpoint
-        refuses it as invalid (422), one without it as forbidden (403).
-
-        Raises:
-          ValueError: the endpoint is off (start the server with --enable-scale-out).
+        refuses it as invalid (422), one without it as forbidden (403); [] or what to add.
         """
         try:
             async with self._client().post(
@@ -423,9 +426,8 @@ class VllmServerEngine(HttpEngine):
             ) as response:
                 if response.status in (403, 404):
                     message = await _error_message(response)
-                    raise ValueError(
-                        f"vLLM server {self.url}: {message} (start it with --enable-scale-out)"
-                    )
+                    return [f"{message} (start it with --enable-scale-out)"]
+                return []
         except _NETWORK_ERRORS as e:
             raise EngineError(f"engine {self.name} at {self.url}: generate: {e!r}") from e
 
