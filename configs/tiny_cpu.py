@@ -232,6 +232,10 @@ def _agent(c: config_dict.ConfigDict) -> None:
     c.rl.reward = "environment"
     c.rl.group_size = 4
     c.rl.groups_per_step = 2
-    c.warmup.steps = 0
+    # Warm start in the agent's own format: the environment's demonstrations drive
+    # react_agent.py through a door (harness/demonstrations.py:command_demonstrations).
+    c.warmup.demonstrations = 128
+    c.warmup.steps = 40
+    c.warmup.groups_per_step = 8
     c.train.steps = 6
     c.checkpoint.every_steps = 2

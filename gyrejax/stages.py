@@ -25,7 +25,7 @@ from gyrejax.cells import Cell
 from gyrejax.config import Config
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.chat import load_chat
-from gyrejax.harness.demonstrations import demonstration_executions
+from gyrejax.harness.demonstrations import command_demonstrations, demonstration_executions
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.harness.tasks import draw_tasks
@@ -61,16 +61,23 @@ def warm_start(
             env, config.harness, config.warmup.demonstrations, seed=1, run_seed=config.seed
         )
         start = time.perf_counter()
-        recorded = demonstration_executions(
-            env,
-            tasks,
-            config.harness,
-            workdir / "demonstration_workspaces",
-            seed=config.seed,
-            quality=config.warmup.quality,
-            delegation_prob=config.warmup.delegation_prob,
-            chat=load_chat(config.model.tokenizer),
-        )
+        chat, workspaces = load_chat(config.model.tokenizer), workdir / "demonstration_workspaces"
+        if config.rl.agent == "command":  # in the user's agent's own format
+            recorded = command_demonstrations(
+                config, env, tasks, workspaces, seed=config.seed, quality=config.warmup.quality,
+                chat=chat,
+            )  # fmt: skip
+        else:
+            recorded = demonstration_executions(
+                env,
+                tasks,
+                config.harness,
+                workspaces,
+                seed=config.seed,
+                quality=config.warmup.quality,
+                delegation_prob=config.warmup.delegation_prob,
+                chat=chat,
+            )
         executions = asyncio.run(recorded)
         for execution in executions:
             if execution.execution_id not in store:

@@ -5,6 +5,9 @@ chance of a mistake, some tasks delegated to a sub-agent); they are replayed thr
 real harness and proxy by a scripted engine, so the recorded calls have exactly the
 contexts the policy will later see, and each execution is scored like any other. SFT on
 them gives the tiny model a non-trivial but imperfect starting reward.
+
+With `rl.agent = command` the same actions drive the user's agent program instead
+(`command_demonstrations`), so the demonstrations are in that agent's own format.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gyrejax.config import HarnessConfig
+from gyrejax.config import Config, HarnessConfig
 from gyrejax.harness.agent import SUB_SYSTEM, Harness
 from gyrejax.harness.chat import ByteChat
+from gyrejax.harness.external import start_command_agents
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.trajectory import Execution
@@ -61,3 +65,49 @@ async def demonstration_executions(
         for i, (execution_id, task) in enumerate(zip(scripts, tasks, strict=True))
     ]
     return list(await asyncio.gather(*runs))
+
+
+async def command_demonstrations(
+    config: Config,
+    env,
+    tasks: list,
+    workdir: str | Path,
+    *,
+    seed: int,
+    quality: float,
+    chat,
+    concurrency: int = 8,
+) -> list[Execution]:
+    """One scored demonstration per task by the user's own agent (`rl.agent = command`).
+
+    The agent runs as in RL, through a door whose model is the environment's
+    demonstrator: its answers are the demonstration's actions as tool calls in `chat`'s
+    format. So the records hold the agent's own prompts, tools and turns, and SFT on them
+    teaches the policy to drive that agent. The agent must offer the built-in
+    `write_file(path, content)` and `done()` tools (examples/agents/react_agent.py does);
+    the demonstrations' checks are left out (an agent's test tool is its own), and no
+    task is delegated.
+    """
+    rng = np.random.default_rng(seed)
+    scripts = {}
+    for i, task in enumerate(tasks):
+        actions = env.demonstration(task, rng=rng, quality=quality)
+        scripts[f"demo-{seed}-{i}"] = [a for a in actions if a != "check"]
+
+    def respond(prompt: np.ndarray, request) -> list[int]:
+        remaining = scripts[request.request_id.rsplit("/", 1)[0]]
+        return chat.answer(remaining.pop(0) if remaining else "done")
+
+    proxy = Proxy([ScriptedEngine("demonstrator", respond)])
+    agents = await start_command_agents(config, proxy, chat, workdir, env)
+    slots = asyncio.Semaphore(concurrency)  # one agent process each
+
+    async def run(i: int, execution_id: str, task) -> Execution:
+        async with slots:
+            return await agents.run_execution(task, execution_id, execution_id, seed=i)
+
+    runs = [run(i, e, t) for i, (e, t) in enumerate(zip(scripts, tasks, strict=True))]
+    try:
+        return list(await asyncio.gather(*runs))
+    finally:
+        await agents.door.stop()

@@ -36,15 +36,20 @@ import contextlib
 import json
 import math
 import os
+import secrets
+import shlex
 import signal
 import subprocess
 from pathlib import Path
 
 from absl import logging
 
+from gyrejax.config import Config
 from gyrejax.harness.agent import score_workspace, workspace_name
+from gyrejax.harness.chat import HfChat
 from gyrejax.harness.tasks import FileTask, task_json
 from gyrejax.harness.workspace import Workspace
+from gyrejax.serve.chat import ByteChatTemplate
 from gyrejax.serve.http import API_KEY_ENV, ENGINE_TOKEN_ENV
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.trajectory import Execution
@@ -177,6 +182,34 @@ class CommandAgents:
             self.env, env_task, workspace, status, execution_id, self.eval_retry_budget
         )
         return reward, status, attempts, error
+
+
+async def start_command_agents(
+    config: Config, proxy, chat, workdir: str | Path, environment
+) -> CommandAgents:
+    """`rl.agent_command`'s agents behind a new OpenAI door on `proxy`, served on
+    loopback (stop it with `agents.door.stop()`), in `chat`'s template."""
+    model_name = Path(config.model.hf_checkpoint).name or "gyrejax"
+    door = OpenAIServer(
+        proxy,
+        chat.template if isinstance(chat, HfChat) else ByteChatTemplate(),
+        api_key=secrets.token_urlsafe(32),  # nobody creates executions but us
+        model_name=model_name,
+        default_max_tokens=config.harness.max_new_tokens,
+        max_open_executions=max(256, 2 * config.rl.group_size * config.rl.groups_per_step),
+    )
+    url = await door.start("127.0.0.1", 0)
+    return CommandAgents(
+        door,
+        url,
+        shlex.split(config.rl.agent_command),
+        workdir,
+        environment=environment,
+        reward=config.rl.reward,
+        timeout_s=config.harness.timeout_s,
+        eval_retry_budget=config.harness.eval_retry_budget,
+        model_name=model_name,
+    )
 
 
 def _kill_group(pid: int) -> None:

@@ -28,16 +28,14 @@ re-run, unfinished ones are.
 from __future__ import annotations
 
 import asyncio
-import secrets
-import shlex
 from pathlib import Path
 
 from gyrejax.cells import Cell
 from gyrejax.config import Config
 from gyrejax.harness.agent import Harness
-from gyrejax.harness.chat import HfChat, load_chat
+from gyrejax.harness.chat import load_chat
 from gyrejax.harness.envs import get_environment
-from gyrejax.harness.external import CommandAgents
+from gyrejax.harness.external import start_command_agents
 from gyrejax.harness.tasks import load_task_file
 from gyrejax.loop.context import RunContext, schedule_of
 from gyrejax.loop.engines import CellEngines, Rollout
@@ -49,7 +47,6 @@ from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
 from gyrejax.scheduler.driver import Driver
 from gyrejax.scheduler.policies import Role, make_policy, policy_options
-from gyrejax.serve.chat import ByteChatTemplate
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import ExecutionStore
@@ -163,27 +160,9 @@ class Runtime:
                 environment=self.groups.env,
                 chat=chat,
             )
-        model_name = Path(config.model.hf_checkpoint).name or "gyrejax"
-        self.door = OpenAIServer(
-            proxy,
-            chat.template if isinstance(chat, HfChat) else ByteChatTemplate(),
-            api_key=secrets.token_urlsafe(32),  # nobody creates executions but us
-            model_name=model_name,
-            default_max_tokens=config.harness.max_new_tokens,
-            max_open_executions=max(256, 2 * config.rl.group_size * config.rl.groups_per_step),
-        )
-        url = await self.door.start("127.0.0.1", 0)
-        return CommandAgents(
-            self.door,
-            url,
-            shlex.split(config.rl.agent_command),
-            workdir,
-            environment=self.groups.env,
-            reward=config.rl.reward,
-            timeout_s=config.harness.timeout_s,
-            eval_retry_budget=config.harness.eval_retry_budget,
-            model_name=model_name,
-        )
+        agents = await start_command_agents(config, proxy, chat, workdir, self.groups.env)
+        self.door = agents.door
+        return agents
 
     async def _shutdown(self) -> None:
         ctx = self.ctx
