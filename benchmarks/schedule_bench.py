@@ -519,7 +519,7 @@ def calibrate_and_predict(args, real: dict | None) -> dict:
             source = best_of(by_policy, "elastic")[1]["workdir"]
         else:
             source = args.calibrate
-        fit = calibrate.fit_run(Path(source))
+        fit = calibrate.fit_run(Path(source), load=args.load_model)
         out["fits"][regime or "all"] = {"source": source, **fit.summary()}
         print(f"\n### calibration from {source}\n")
         for k, v in fit.summary().items():
@@ -589,6 +589,11 @@ def main() -> None:
         "--calibrate",
         default=None,
         help="a real run's workdir to fit, or 'elastic': each regime's elastic run (--real)",
+    )
+    parser.add_argument(
+        "--load_model",
+        action="store_true",
+        help="--calibrate fits the simulator's load-dependent model (SimConfig.decode_cores)",
     )
     parser.add_argument("--reward_plot", default="schedule_real_reward.png")
     args = parser.parse_args()
