@@ -35,14 +35,15 @@ Pure Python/NumPy, like the simulator.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 
 from gyrejax.logs import read_jsonl
-from gyrejax.trajectory.store import MAGIC, escape_id, read_header
 from gyrejax.scheduler.simulator import SimConfig, SimResult, simulate
+from gyrejax.trajectory.store import MAGIC, escape_id, read_header
 
 IQR_PER_SIGMA = 1.3489795  # the interquartile range of a standard normal
 TOKENS_PER_WORK_S = 100.0  # simulated logs: output tokens per second of decode work
@@ -240,21 +241,23 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
             best = (misfit, float(cores), best[2], call_work, step_work)
     _, cores, train_cores, call_work, step_work = best
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
-    for c, w in zip(calls, call_work):
+    for c, w in zip(calls, call_work, strict=True):
         by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
-    turns = max(1, int(round(len(calls) / len(by_execution))))
+    turns = max(1, round(len(calls) / len(by_execution)))
     work, gaps = [], []
     for parts in by_execution.values():
         parts.sort()
         work.append(sum(w for *_, w in parts))
         # The time between its calls, spread over the model's turns - 1 tool calls.
-        gaps.append(sum(b[0] - a[1] for a, b in zip(parts, parts[1:])) / max(turns - 1, 1))
+        gaps.append(sum(b[0] - a[1] for a, b in itertools.pairwise(parts)) / max(turns - 1, 1))
     # Executions that start after the first step ended miss the engines' compilation.
     first_end = float(steps[0]["time_s"])
-    steady = [w for w, parts in zip(work, by_execution.values()) if parts[0][0] >= first_end]
+    steady = [
+        w for w, parts in zip(work, by_execution.values(), strict=True) if parts[0][0] >= first_end
+    ]
     median, sigma = _lognormal(np.array(steady if len(steady) >= 20 else work))
     tool_median, tool_sigma = _lognormal(np.array(gaps)) if turns > 1 else (0.0, 0.0)
-    deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work)]
+    deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work, strict=True)]
     per_token, overhead, parallel, residual = _fit_steps(deloaded[1:] or deloaded)
     first = deloaded[0]
     first_width = len(first["cells"]) if parallel else 1
@@ -437,7 +440,7 @@ def write_run_logs(
                     "call_id": i,
                     "started_at": startup_s + start,
                     "finished_at": startup_s + end,
-                    "output_len": max(1, int(round(work * TOKENS_PER_WORK_S))),
+                    "output_len": max(1, round(work * TOKENS_PER_WORK_S)),
                 }
                 for i, (start, end, work) in enumerate(parts)
             ]

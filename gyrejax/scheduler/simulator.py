@@ -772,7 +772,9 @@ class Simulator:
             self._finish_execution(e)
         elif self.phase[e] % 2 == 1:
             tool = self.trace.tool_s
-            self.left[e] = 0.0 if tool is None else tool.reshape(-1, c.turns - 1)[e, self.phase[e] // 2]
+            self.left[e] = (
+                0.0 if tool is None else tool.reshape(-1, c.turns - 1)[e, self.phase[e] // 2]
+            )
         else:
             self.left[e] = self.trace.duration_s.reshape(-1)[e] / c.turns
 
