@@ -5,7 +5,8 @@ Usage:
                                       [--plot PATH] [--sensitivity] [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
-                                      [--calibrate DIR|elastic] [--reward_plot PATH]
+                                      [--calibrate DIR|elastic] [--load_model]
+                                      [--reward_plot PATH]
 
 In the discrete-event simulator (gyrejax/scheduler/simulator.py; the model and its
 assumptions are in `configs/sim_paper.py`'s docstring), over the same traces for every
@@ -34,7 +35,8 @@ wait), each from the same warm start if `--real_warm DIR` is given, and plots ea
 policy's step reward against wall clock (`--reward_plot`). `--calibrate DIR` fits the
 simulator's model to a real run's logs (gyrejax.scheduler.calibrate) and predicts the
 real runs of all three policies (with --real: the ones just run); `--calibrate elastic`
-fits each regime's elastic run and predicts the others of that regime out of sample.
+fits each regime's elastic run and predicts the others of that regime out of sample;
+`--load_model` fits the simulator's load-dependent model (shared cores) instead.
 Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 
