@@ -5,7 +5,8 @@ Usage:
                                       [--plot PATH] [--sensitivity] [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
-                                      [--calibrate DIR|elastic] [--reward_plot PATH]
+                                      [--calibrate DIR|elastic] [--load_model]
+                                      [--reward_plot PATH]
 
 In the discrete-event simulator (gyrejax/scheduler/simulator.py; the model and its
 assumptions are in `configs/sim_paper.py`'s docstring), over the same traces for every
@@ -34,7 +35,8 @@ wait), each from the same warm start if `--real_warm DIR` is given, and plots ea
 policy's step reward against wall clock (`--reward_plot`). `--calibrate DIR` fits the
 simulator's model to a real run's logs (gyrejax.scheduler.calibrate) and predicts the
 real runs of all three policies (with --real: the ones just run); `--calibrate elastic`
-fits each regime's elastic run and predicts the others of that regime out of sample.
+fits each regime's elastic run and predicts the others of that regime out of sample;
+`--load_model` fits the simulator's load-dependent model (shared cores) instead.
 Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 
@@ -519,7 +521,7 @@ def calibrate_and_predict(args, real: dict | None) -> dict:
             source = best_of(by_policy, "elastic")[1]["workdir"]
         else:
             source = args.calibrate
-        fit = calibrate.fit_run(Path(source))
+        fit = calibrate.fit_run(Path(source), load=args.load_model)
         out["fits"][regime or "all"] = {"source": source, **fit.summary()}
         print(f"\n### calibration from {source}\n")
         for k, v in fit.summary().items():
@@ -589,6 +591,11 @@ def main() -> None:
         "--calibrate",
         default=None,
         help="a real run's workdir to fit, or 'elastic': each regime's elastic run (--real)",
+    )
+    parser.add_argument(
+        "--load_model",
+        action="store_true",
+        help="--calibrate fits the simulator's load-dependent model (SimConfig.decode_cores)",
     )
     parser.add_argument("--reward_plot", default="schedule_real_reward.png")
     args = parser.parse_args()

@@ -90,3 +90,41 @@ def test_a_torn_log_line_is_skipped_and_missing_logs_are_named(tmp_path):
         calibrate.fit_run(tmp_path)
     assert json.loads((tmp_path / "run_summary.json").read_text())["schedule"]["cells"] == 4
     assert HOUR == 3600.0
+
+
+LOAD_TRUTH = SimConfig(
+    cells=4,
+    capacity=16,
+    group_size=4,
+    groups_per_step=4,
+    steps=12,
+    max_staleness=3,
+    duration_median_s=2.0,
+    duration_sigma=0.5,
+    timeout_s=120.0,
+    tokens_mean=40.0,
+    tokens_sigma=0.0,
+    train_s_per_token=1e-3,
+    step_overhead_s=0.5,
+    train_parallel=False,
+    executions_hold_slots=False,
+    decode_cores=3.7,
+    train_cores=2.0,
+    turns=3,
+    tool_median_s=1.0,
+    tool_sigma=0.4,
+    first_step_s=10.0,
+)
+
+
+def test_load_fit_recovers_known_parameters_from_a_simulated_log(tmp_path):
+    result = simulate(LOAD_TRUTH, "elastic")
+    calibrate.write_run_logs(LOAD_TRUTH, result, "elastic", tmp_path, startup_s=3.0)
+    fit = calibrate.fit_run(tmp_path, load=True).sim
+    assert fit.turns == LOAD_TRUTH.turns
+    for name in ("decode_cores", "train_cores", "train_s_per_token", "step_overhead_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(LOAD_TRUTH, name), rel=0.05), name
+    assert fit.first_step_s == pytest.approx(LOAD_TRUTH.first_step_s, rel=0.05)
+    # Sampled quantities: within sampling error of a few hundred executions.
+    assert fit.duration_median_s == pytest.approx(LOAD_TRUTH.duration_median_s, rel=0.15)
+    assert fit.tool_median_s == pytest.approx(LOAD_TRUTH.tool_median_s, rel=0.15)

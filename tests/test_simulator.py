@@ -417,3 +417,29 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert "best setting" in out and "gate limit" in out
+
+
+@pytest.mark.parametrize("policy", ["colocate", "async", "elastic"])
+def test_load_model_with_one_execution_at_a_time_gives_the_old_durations(policy):
+    base = SimConfig(
+        cells=2,
+        capacity=1,
+        group_size=1,
+        groups_per_step=1,
+        steps=6,
+        mu=1,
+        phi=0,
+        duration_median_s=10.0,
+        train_s_per_token=1e-6,
+        tokens_mean=10.0,
+    )
+    old = simulate(base, policy)
+    new = simulate(base.replace(decode_cores=1.0, train_cores=0.0, turns=3), policy)
+    dispatched = np.array(new.log["dispatched"])
+    assert np.isfinite(new.log["finished"]).all()
+    np.testing.assert_allclose(
+        new.log["finished"] - dispatched, old.log["finished"] - np.array(old.log["dispatched"])
+    )
+    pair = base.replace(group_size=2, capacity=2)
+    loaded = simulate(pair.replace(decode_cores=1.0, train_cores=0.0), policy)
+    assert loaded.makespan_s > simulate(pair, policy).makespan_s  # two share one core

@@ -13,6 +13,18 @@ fits the simulator's model (gyrejax/scheduler/simulator.py):
     the wait for the step boundary, which the simulator plays out itself);
   * the time before the first dispatch (engines starting) and after the last step
     (checkpoint, plots), added to a predicted makespan.
+With `load=True` (`fit_run(workdir, load=True)`) it fits the simulator's load-dependent
+model instead (`SimConfig.decode_cores`, gyrejax/scheduler/simulator.py), from the model
+calls in the execution records (`executions/*.gxr` headers: each call's start, end and
+tokens) and the steps' times:
+  * every instant has n calls decoding and maybe a step running; for candidate cores C and
+    step demand T every call's decode work is the integral of min(1, C / (n + T)) over
+    it, and every step's work likewise. (C, T) is the grid point whose works are best
+    explained by their tokens (a call: a + b * output tokens; a step: overhead + b *
+    tokens, the first step left out): least squares on the log of the works;
+  * an execution's decode work (the sum over its calls) is the lognormal of durations,
+    `turns` its mean number of calls, the gaps between its calls the tool calls'
+    lognormal, and the first step's work beyond the fit `first_step_s` (compilation).
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model and
 returns its predicted wall time. `write_run_logs` writes a simulated run's logs in the
 runtime's format, so a test can check that fitting recovers known parameters.
@@ -23,6 +35,7 @@ Pure Python/NumPy, like the simulator.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -30,8 +43,10 @@ import numpy as np
 
 from gyrejax.logs import read_jsonl
 from gyrejax.scheduler.simulator import SimConfig, SimResult, simulate
+from gyrejax.trajectory.store import MAGIC, escape_id, read_header
 
 IQR_PER_SIGMA = 1.3489795  # the interquartile range of a standard normal
+TOKENS_PER_WORK_S = 100.0  # simulated logs: output tokens per second of decode work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +81,12 @@ class Fit:
             "train_parallel": s.train_parallel,
             "train_residual_s": self.train_residual_s,
             "train_parallel_identified": self.train_parallel_identified,
+            "decode_cores": s.decode_cores,
+            "train_cores": s.train_cores,
+            "turns": s.turns,
+            "tool_median_s": s.tool_median_s,
+            "tool_sigma": s.tool_sigma,
+            "first_step_s": s.first_step_s,
             "to_training_s": s.to_training_s,
             "to_rollout_s": s.to_rollout_s,
             "startup_s": self.startup_s,
@@ -135,8 +156,132 @@ def _fit_steps(steps: list[dict]) -> tuple[float, float, bool | None, float]:
     return best
 
 
-def fit_run(workdir: Path) -> Fit:
-    """Fits the simulator's model to the run in `workdir` (module docstring)."""
+CORES_GRID = tuple(float(c) for c in np.round(np.geomspace(0.25, 64.0, 49), 4))
+TRAIN_CORES_GRID = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+
+
+def read_calls(workdir: Path) -> list[dict]:
+    """The model calls of a run's execution records, on the run's clock: dicts with
+    execution, start, end, tokens (output). The records' wall-clock times are shifted by
+    the median gap between an execution's first call and its start in executions.jsonl."""
+    workdir = Path(workdir)
+    started = {e["execution"]: e["started_s"] for e in read_jsonl(workdir / "executions.jsonl")}
+    headers = [read_header(p) for p in sorted((workdir / "executions").glob("*.gxr"))]
+    offsets = [
+        h["calls"][0]["started_at"] - started[h["execution_id"]]
+        for h in headers
+        if h.get("calls") and h["execution_id"] in started
+    ]
+    if not offsets:
+        raise ValueError(f"{workdir}: no model calls in executions/*.gxr to fit the load model")
+    offset = float(np.median(offsets))
+    return [
+        {
+            "execution": h["execution_id"],
+            "start": c["started_at"] - offset,
+            "end": c["finished_at"] - offset,
+            "tokens": c["output_len"],
+        }
+        for h in headers
+        for c in h.get("calls", [])
+    ]
+
+
+def _shared_work(
+    calls: list[dict], steps: list[dict], cores: float, train_cores: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(work of each call, work of each step): the integral of min(1, cores / demand)
+    over it, demand = calls decoding + train_cores while a step runs."""
+    c_start = np.array([c["start"] for c in calls])
+    c_end = np.array([c["end"] for c in calls])
+    s_end = np.array([s["time_s"] for s in steps], dtype=float)
+    s_start = s_end - np.array([s["step_s"] for s in steps], dtype=float)
+    edges = np.unique(np.concatenate([c_start, c_end, s_start, s_end]))
+    mid = (edges[:-1] + edges[1:]) / 2
+    decoding = np.searchsorted(np.sort(c_start), mid) - np.searchsorted(np.sort(c_end), mid)
+    training = np.searchsorted(np.sort(s_start), mid) - np.searchsorted(np.sort(s_end), mid)
+    demand = decoding + train_cores * (training > 0)
+    share = np.where(demand > 0, np.minimum(1.0, cores / np.maximum(demand, 1e-12)), 1.0)
+    integral = np.concatenate([[0.0], np.cumsum(share * np.diff(edges))])
+
+    def work(start, end):
+        return integral[np.searchsorted(edges, end)] - integral[np.searchsorted(edges, start)]
+
+    return work(c_start, c_end), work(s_start, s_end)
+
+
+def _log_misfit(work: np.ndarray, tokens: np.ndarray) -> float:
+    """Mean squared log error of work ~ a + b * tokens (least squares, a, b >= 0)."""
+    design = np.stack([tokens, np.ones_like(tokens)], axis=1)
+    coef, *_ = np.linalg.lstsq(design, work, rcond=None)
+    predicted = np.maximum(design @ np.maximum(coef, 0.0), 1e-9)
+    return float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
+
+
+def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
+    """The load model's parameters from a run's calls and steps (module docstring)."""
+    tokens = np.array([c["tokens"] for c in calls], dtype=float)
+    step_tokens = np.array([s["tokens"] for s in steps[1:]], dtype=float)
+    best = None
+    for cores in CORES_GRID:
+        for train_cores in TRAIN_CORES_GRID:
+            call_work, step_work = _shared_work(calls, steps, cores, train_cores)
+            misfit = _log_misfit(call_work, tokens)
+            if len(step_tokens) >= 3:
+                misfit += _log_misfit(step_work[1:], step_tokens)
+            if best is None or misfit < best[0] - 1e-12:
+                best = (misfit, cores, train_cores, call_work, step_work)
+    # Between grid points: a finer grid of cores around the best.
+    for cores in np.geomspace(best[1] / 1.13, best[1] * 1.13, 25):
+        call_work, step_work = _shared_work(calls, steps, float(cores), best[2])
+        misfit = _log_misfit(call_work, tokens)
+        if len(step_tokens) >= 3:
+            misfit += _log_misfit(step_work[1:], step_tokens)
+        if misfit < best[0] - 1e-12:
+            best = (misfit, float(cores), best[2], call_work, step_work)
+    _, cores, train_cores, call_work, step_work = best
+    by_execution: dict[str, list[tuple[float, float, float]]] = {}
+    for c, w in zip(calls, call_work, strict=True):
+        by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
+    turns = max(1, round(len(calls) / len(by_execution)))
+    work, gaps = [], []
+    for parts in by_execution.values():
+        parts.sort()
+        work.append(sum(w for *_, w in parts))
+        # The time between its calls, spread over the model's turns - 1 tool calls.
+        gaps.append(sum(b[0] - a[1] for a, b in itertools.pairwise(parts)) / max(turns - 1, 1))
+    # Executions that start after the first step ended miss the engines' compilation.
+    first_end = float(steps[0]["time_s"])
+    steady = [
+        w for w, parts in zip(work, by_execution.values(), strict=True) if parts[0][0] >= first_end
+    ]
+    median, sigma = _lognormal(np.array(steady if len(steady) >= 20 else work))
+    tool_median, tool_sigma = _lognormal(np.array(gaps)) if turns > 1 else (0.0, 0.0)
+    deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work, strict=True)]
+    per_token, overhead, parallel, residual = _fit_steps(deloaded[1:] or deloaded)
+    first = deloaded[0]
+    first_width = len(first["cells"]) if parallel else 1
+    first_extra = first["step_s"] - overhead - per_token * first["tokens"] / first_width
+    return {
+        "decode_cores": cores,
+        "train_cores": train_cores,
+        "duration_median_s": median,
+        "duration_sigma": sigma,
+        "turns": turns,
+        "tool_median_s": tool_median if turns > 1 else 0.0,
+        "tool_sigma": tool_sigma if turns > 1 else 0.0,
+        "train_s_per_token": per_token,
+        "step_overhead_s": overhead,
+        "train_parallel": bool(parallel),
+        "first_step_s": max(0.0, float(first_extra)),
+        "residual": residual,
+        "identified": parallel is not None,
+    }
+
+
+def fit_run(workdir: Path, load: bool = False) -> Fit:
+    """Fits the simulator's model to the run in `workdir` (module docstring); `load`:
+    its load-dependent model."""
     workdir = Path(workdir)
     run = read_run(workdir)
     schedule = run["schedule"]
@@ -170,6 +315,10 @@ def fit_run(workdir: Path) -> Fit:
         to_rollout_s=float(np.mean(to_rollout)) if to_rollout else 0.0,
         executions_hold_slots=False,
     )
+    if load:
+        fitted = fit_load(workdir, read_calls(workdir), steps)
+        residual, identified = fitted.pop("residual"), fitted.pop("identified")
+        return Fit(sim.replace(**fitted), startup, shutdown, residual, identified)
     return Fit(sim, startup, shutdown, residual, parallel is not None)
 
 
@@ -209,7 +358,10 @@ def write_run_logs(
 ) -> None:
     """Writes a simulated run's logs in the runtime's format (`fit_run` reads them).
 
-    Times are shifted by `startup_s` (the simulated engines start that late)."""
+    Times are shifted by `startup_s` (the simulated engines start that late). A run of
+    the load model also gets its decode phases as model calls in `executions/*.gxr`:
+    headers only (what `read_calls` reads), `TOKENS_PER_WORK_S` output tokens per
+    second of decode work."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = result.log
@@ -276,3 +428,22 @@ def write_run_logs(
         "schedule": schedule,
     }
     (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    if log.get("calls"):
+        by_execution: dict[int, list] = {}
+        for e, start, end, work in log["calls"]:
+            by_execution.setdefault(e, []).append((start, end, work))
+        (workdir / "executions").mkdir(exist_ok=True)
+        for e, parts in by_execution.items():
+            execution_id = f"g{e // n}/{e % n}"
+            calls = [
+                {
+                    "call_id": i,
+                    "started_at": startup_s + start,
+                    "finished_at": startup_s + end,
+                    "output_len": max(1, round(work * TOKENS_PER_WORK_S)),
+                }
+                for i, (start, end, work) in enumerate(parts)
+            ]
+            header = json.dumps({"execution_id": execution_id, "calls": calls}).encode()
+            path = workdir / "executions" / f"{escape_id(execution_id)}.gxr"
+            path.write_bytes(MAGIC + len(header).to_bytes(8, "little") + header)

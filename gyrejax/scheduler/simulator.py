@@ -56,6 +56,18 @@ The model (assumptions, stated so that nobody reads more into the figures):
     `lower_bound_s` / makespan. Every idle cell-second is attributed to one cause
     (`IDLE_CAUSES`), so busy + idle = cells * makespan exactly.
 
+The load-dependent model (`SimConfig.decode_cores` > 0; off by default, and then
+everything above holds unchanged) is for runs whose cells share one host's compute, as
+CPU-emulated devices do: an execution is `turns` decode phases of equal work (its drawn
+duration is then its decode work, compute-seconds at full speed) separated by tool calls
+(wall time, lognormal `tool_median_s`/`tool_sigma`, unaffected by load). Decode phases
+and a running training step share `decode_cores` cores (processor sharing): with n
+executions decoding and a step running (a demand of `train_cores` cores), every one of
+them progresses at min(1, decode_cores / (n + train_cores)) of its full speed, recomputed
+whenever the active set changes. Hence one execution at a time, no tool calls and no
+step gives the old durations exactly. `first_step_s` (both models) is extra work of the
+first step (compilation).
+
 Bounds: `lower_bound_s` is the work over the cells; `makespan_bound_s` also accounts for
 the staleness gate's critical path and the pipeline fill, and holds for any publication
 cadence, dispatch depth and policy (`staleness_bound_s` is the same chain for one
@@ -121,6 +133,13 @@ class SimConfig:
       drift_factor: "drift": the last group's median duration over the first's.
       mixed_factor: "mixed": the long family's median duration over the short one's.
       token_exponent: a group's tokens scale as (its workload factor) ** this.
+      decode_cores: > 0: the load-dependent model (module docstring), with this many
+        cores shared by decoding executions and training; 0: the old model.
+      train_cores: load model: the cores a running training step asks for.
+      turns: load model: decode phases per execution (turns - 1 tool calls between).
+      tool_median_s, tool_sigma: load model: lognormal wall time of one tool call
+        (median 0: none).
+      first_step_s: extra seconds of work of the first step (compilation).
       seed: seed of the trace (durations and tokens).
     """
 
@@ -147,10 +166,16 @@ class SimConfig:
     drift_factor: float = 3.0
     mixed_factor: float = 4.0
     token_exponent: float = 1.0
+    decode_cores: float = 0.0
+    train_cores: float = 1.0
+    turns: int = 1
+    tool_median_s: float = 0.0
+    tool_sigma: float = 0.0
+    first_step_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("cells", "capacity", "group_size", "groups_per_step", "steps", "mu"):
+        for name in ("cells", "capacity", "group_size", "groups_per_step", "steps", "mu", "turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 1")
         if self.cells < 2:
@@ -174,6 +199,11 @@ class SimConfig:
             "to_rollout_s",
             "token_exponent",
             "step_overhead_s",
+            "decode_cores",
+            "train_cores",
+            "tool_median_s",
+            "tool_sigma",
+            "first_step_s",
         )
         for name in costs:
             if getattr(self, name) < 0:
@@ -197,6 +227,11 @@ class SimConfig:
     def groups(self) -> int:
         return self.steps * self.groups_per_step
 
+    @property
+    def load_model(self) -> bool:
+        """Whether durations depend on load (module docstring)."""
+        return self.decode_cores > 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
@@ -207,12 +242,15 @@ class Trace:
       tokens: float64[groups, group_size].
       timed_out: bool[groups, group_size].
       factor: float64[groups], the workload factor of each group (1 when static).
+      tool_s: load model only: float64[groups, group_size, turns - 1], the wall time of
+        each tool call (None: none).
     """
 
     duration_s: np.ndarray
     tokens: np.ndarray
     timed_out: np.ndarray
     factor: np.ndarray | None = None
+    tool_s: np.ndarray | None = None
     # makespan_bound_s per schedule, so that a sweep over policies computes it once.
     bounds: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -249,7 +287,13 @@ def make_trace(config: SimConfig, seed: int | None = None) -> Trace:
     # factor only as factor ** token_exponent.
     weight = duration / factor * factor**config.token_exponent * noise
     tokens = config.tokens_mean * weight / weight.mean()
-    return Trace(duration, tokens, raw >= timeout, factor[:, 0])
+    tool = None
+    if config.load_model and config.turns > 1 and config.tool_median_s > 0:
+        # Its own stream, so that the durations and tokens are those of the old model.
+        tool_rng = np.random.default_rng([config.seed if seed is None else seed, 1])
+        normal = tool_rng.standard_normal((*shape, config.turns - 1))
+        tool = config.tool_median_s * np.exp(config.tool_sigma * normal)
+    return Trace(duration, tokens, raw >= timeout, factor[:, 0], tool)
 
 
 def lower_bound_s(config: SimConfig, trace: Trace) -> float:
@@ -526,6 +570,13 @@ class Simulator:
         self.run_since = np.zeros(total)
         self.generation = np.zeros(total, dtype=np.int64)  # invalidates heap entries
         self.heap: list[tuple[float, int, int]] = []
+        # Load model: each execution's phase (even: decoding, odd: a tool call), what is
+        # left of it (work or wall seconds), when it began, and the decode phases logged.
+        self.phase = np.zeros(total, dtype=np.int64)
+        self.left = self.remaining / config.turns
+        self.phase_since = np.zeros(total)
+        self.calls: list[tuple[int, float, float, float]] = []  # (execution, start, end, work)
+        self._due: int | None = None
         self.waiting: collections.deque[int] = collections.deque()
         self.running: list[int] = []  # in start order (pause the latest first)
         self.started_once = np.zeros(total, dtype=bool)
@@ -572,6 +623,8 @@ class Simulator:
             self._advance(when)
             if kind == "execution":
                 self._finish_execution()
+            elif kind == "phase":
+                self._finish_phase()
             elif kind == "transition":
                 self._finish_transition()
             else:
@@ -601,6 +654,7 @@ class Simulator:
                 "finished": self.finished_at,
                 "steps": self.step_log,
                 "switches": self.switch_log,
+                "calls": self.calls,
             },
         )
 
@@ -639,10 +693,21 @@ class Simulator:
     def _next_event(self) -> tuple[float, str | None]:
         best, kind = np.inf, None
         if self.step_running and self.step_cells:
-            when = self.now + self.step_work / self._train_rate()
+            when = self.now + self.step_work / (self._train_rate() * self._share())
             best, kind = when, "step"
         if self.current is not None and self.current[2] == "switch" and self.current[3] < best:
             best, kind = self.current[3], "transition"
+        if self.config.load_model:
+            if self.running:
+                running = np.array(self.running)
+                share = self._share()
+                rates = np.where(self.phase[running] % 2 == 0, share, 1.0)
+                times = self.left[running] / rates
+                i = int(np.argmin(times))
+                if self.now + times[i] < best:
+                    best, kind = self.now + float(times[i]), "phase"
+                    self._due = int(running[i])
+            return best, kind
         while self.heap and self.heap[0][2] != self.generation[self.heap[0][1]]:
             heapq.heappop(self.heap)  # a paused execution's stale entry
         if self.heap and self.heap[0][0] < best:
@@ -673,9 +738,45 @@ class Simulator:
             cause = "gate" if self.driver.gate_closed else "other"
             self.idle[cause] += dt * free_slots
             self.idle["train_wait"] += dt * trainer_idle
+        share = self._share()
         if self.step_running:
-            self.step_work = max(0.0, self.step_work - dt * self._train_rate())
+            self.step_work = max(0.0, self.step_work - dt * self._train_rate() * share)
+        if c.load_model and self.running:
+            running = np.array(self.running)
+            rates = np.where(self.phase[running] % 2 == 0, share, 1.0)
+            self.left[running] = np.maximum(0.0, self.left[running] - dt * rates)
         self.now = when
+
+    def _share(self) -> float:
+        """Load model: the speed (0, 1] of everything on the shared cores (module
+        docstring); 1 in the old model."""
+        c = self.config
+        if not c.load_model:
+            return 1.0
+        running = np.array(self.running, dtype=np.int64)
+        demand = float(np.count_nonzero(self.phase[running] % 2 == 0))
+        if self.step_running and self.step_cells:
+            demand += c.train_cores
+        return min(1.0, c.decode_cores / demand) if demand > 0 else 1.0
+
+    def _finish_phase(self) -> None:
+        """Load model: the due execution ends a decode phase or a tool call."""
+        c, e = self.config, self._due
+        self._due = None
+        if self.phase[e] % 2 == 0:
+            work = self.trace.duration_s.reshape(-1)[e] / c.turns
+            self.calls.append((e, self.phase_since[e], self.now, work))
+        self.phase[e] += 1
+        self.phase_since[e] = self.now
+        if self.phase[e] >= 2 * c.turns - 1:
+            self._finish_execution(e)
+        elif self.phase[e] % 2 == 1:
+            tool = self.trace.tool_s
+            self.left[e] = (
+                0.0 if tool is None else tool.reshape(-1, c.turns - 1)[e, self.phase[e] // 2]
+            )
+        else:
+            self.left[e] = self.trace.duration_s.reshape(-1)[e] / c.turns
 
     # --- rollout ------------------------------------------------------------------------------
 
@@ -709,9 +810,11 @@ class Simulator:
             self.state[e] = _RUNNING
             self.run_since[e] = self.now
             self.generation[e] += 1
-            heapq.heappush(self.heap, (self.now + self.remaining[e], e, self.generation[e]))
+            if not self.config.load_model:
+                heapq.heappush(self.heap, (self.now + self.remaining[e], e, self.generation[e]))
             self.running.append(e)
             if not self.started_once[e]:
+                self.phase_since[e] = self.now
                 self.started_once[e] = True
                 self.totals[1] += 1
 
@@ -725,8 +828,9 @@ class Simulator:
             self.generation[e] += 1
             self.waiting.appendleft(e)
 
-    def _finish_execution(self) -> None:
-        _, e, _ = heapq.heappop(self.heap)
+    def _finish_execution(self, e: int | None = None) -> None:
+        if e is None:
+            _, e, _ = heapq.heappop(self.heap)
         self.state[e] = _DONE
         self.remaining[e] = 0.0
         self.finished_at[e] = self.now
@@ -817,6 +921,8 @@ class Simulator:
         # Work in cell-seconds; the overhead is seconds at the step's starting rate.
         self.step_work = float(self.trace.tokens[groups].sum()) * c.train_s_per_token
         self.step_work += c.step_overhead_s * self._train_rate()
+        if self.version == 0:
+            self.step_work += c.first_step_s * self._train_rate()
         return True
 
     def _train_rate(self) -> float:
