@@ -7,8 +7,9 @@ those very calls through the door (the `openai` client, with the role headers) a
 an engine answering the same outputs. The stored records must be the harness's, call
 for call. Then: a hanging agent and what it spawned are killed at the timeout, a
 crashing agent is `failed` with its stderr tail, a reward.json is the reward, the task
-file resolves, the example agent solves a task, and an RL run with a command agent
-trains its step while one member crashes.
+file resolves, the example agent solves a task, an RL run with a command agent trains
+its step while one member crashes, and the command warm start's demonstrations are
+recorded by the agent itself, in its own format.
 """
 
 import asyncio
@@ -27,6 +28,8 @@ from test_openai_proxy import without_times
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
 from gyrejax.harness import tokenizer as tok
+from gyrejax.harness.chat import load_chat
+from gyrejax.harness.demonstrations import command_demonstrations
 from gyrejax.harness.envs.mini_repo import MiniRepoEnv
 from gyrejax.harness.external import CommandAgents
 from gyrejax.harness.tasks import load_task_file, task_json
@@ -301,3 +304,36 @@ def test_an_rl_run_with_a_command_agent_trains_while_a_member_crashes(tmp_path):
             assert [c.agent_id for c in e.sorted_calls()][-1] == "sub-1"
         else:
             assert "boom" in e.error and not e.calls
+
+
+def test_demonstrations_drive_the_users_agent_in_its_own_format(tmp_path, bpe_tokenizer):
+    """The warm start of `rl.agent = command` (harness/demonstrations.py): the
+    environment's demonstrations drive the example agent itself through a door, so the
+    records hold its own system prompt and tools, each answer is a tool call it ran, and
+    a perfect demonstrator (quality 1) solves every task."""
+    c = load_config_file("tiny_cpu", "smoke")
+    c.model.tokenizer, c.model.vocab_size = str(bpe_tokenizer), 1024
+    c.rl.agent = "command"
+    c.rl.agent_command = f"{sys.executable} {REPO_ROOT / 'examples/agents/react_agent.py'}"
+    config = from_dict(c)
+    env = MiniRepoEnv()
+    tasks = env.sample_tasks(3, seed=4)
+    chat = load_chat(config.model.tokenizer)
+    executions = asyncio.run(
+        command_demonstrations(config, env, tasks, tmp_path, seed=0, quality=1.0, chat=chat)
+    )
+    assert [(e.status, e.reward) for e in executions] == [("finished", 1.0)] * 3
+    for execution, task in zip(executions, tasks, strict=True):
+        calls = execution.sorted_calls()
+        first = chat.tokenizer.decode(list(calls[0].prompt_ids))
+        assert first.startswith("<|im_start|>system\nYou write the files a task asks for")
+        assert '"name": "run_tests"' in first  # the agent's tools, not the harness's
+        actions = [chat.parse(call.output_ids) for call in calls]
+        assert [a.kind for a in actions] == ["write"] * len(task.goals) + ["done"]
+        assert {(a.path, a.content) for a in actions[:-1]} == {
+            (g.path, g.solution) for g in task.goals
+        }
+    batch = process(executions, row_length=1280, vocab_size=1024, j_max=100)
+    assert batch.stats.admitted_trainable_tokens == sum(
+        len(call.output_ids) for e in executions for call in e.calls
+    )
