@@ -293,7 +293,7 @@ class TrainConfig:
     steps: int = 1  # RL (or store-training) steps; 0: after the warm start, one batch only
     executions_dir: str = ""  # if set, launch trains on this execution store (SFT or RL)
     learning_rate: float = 1e-5
-    row_length: int = 2048  # tokens per packed row (>= rollout.max_seq_len).
+    row_length: int = 2048  # tokens per packed row; the longest row >= rollout.max_seq_len.
     rows_per_micro_step: int = 1
     # Row buckets: more lengths rows may have besides row_length (each divides it or is a
     # multiple of it; above it, a row is split over cells.sequence when > 1, else it is
@@ -543,11 +543,13 @@ class Config:
                 f"must hold harness.context_budget_tokens + 2 * harness.max_new_tokens + "
                 f"harness.max_observation_tokens + 8 = {needed}",
             )
-        if self.train.row_length < self.rollout.max_seq_len:
+        longest = self.train.all_row_lengths[-1]
+        if longest < self.rollout.max_seq_len:  # a longer call would fit no row
             _fail(
-                "train.row_length",
-                self.train.row_length,
-                f"must be >= rollout.max_seq_len={self.rollout.max_seq_len}: a call is trained "
+                "rollout.max_seq_len",
+                self.rollout.max_seq_len,
+                f"must be <= the longest row, max(train.row_length={self.train.row_length}, "
+                f"train.row_lengths={self.train.row_lengths}) = {longest}: a call is trained "
                 "with its whole context in one row",
             )
         sequence = self.cells.sequence

@@ -15,15 +15,17 @@ Training (the core cell at the peak of a micro-step, per device):
     moments take the parameter dtype: optax's `mu_dtype` is left unset), moments laid
     out like their parameters, counters replicated;
   * the KL reference (a second copy of the parameters) when `rl.kl_coef > 0`;
-  * activations: `rows x row_length x (layers + 1) x kept_bytes_per_token_per_layer`,
-    with rows = train.rows_per_micro_step / cells.fsdp (the batch is split over fsdp).
+  * activations: `rows x length x (layers + 1) x kept_bytes_per_token_per_layer` for
+    the micro-step shape with the most tokens per device, rows = its rows / cells.fsdp
+    (the batch is split over fsdp): [train.rows_per_micro_step, train.row_length], or
+    with row buckets (`micro_step_shapes`) possibly one long row of a longer length.
     `kept_bytes_per_token_per_layer` counts what autodiff keeps for the backward of one
     decoder layer (its docstring lists each tensor; the test checks the count against
     JAX's own residuals of the real micro-step loss). The extra layer is the working set
     of the layer whose backward is running (cotangents, the blocked attention's float32
     dq/dk/dv), which is smaller than what one layer keeps;
   * the loss head (`logits_bytes`): rl/objective.py computes float32 logits at every
-    position of every row (not only trained ones), so 3 x rows x row_length x vocab x 4
+    position of every row (not only trained ones), so 3 x rows x length x vocab x 4
     bytes over `tensor` (the logits, the exp the log-softmax keeps for its backward, and
     their cotangent), plus what the head keeps per token and the float32 copy of the
     output matrix `Transformer.logits` makes, with its cotangent.
@@ -56,7 +58,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from gyrejax.config import CellsConfig, Config, ModelConfig, ShardingRules
 from gyrejax.model import sharding
 from gyrejax.model.transformer import Transformer
-from gyrejax.train.trainer import make_optimizer
+from gyrejax.train.trainer import make_optimizer, micro_step_shapes
 
 # An H200's HBM, as its "141 GB" is usually read (the device reports a little more).
 H200_BYTES = 141_000_000_000
@@ -285,11 +287,16 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
 
     model, cells, train = config.model, config.cells, config.train
     param_bytes = _per_device(pairs, mesh_shape)
-    rows = math.ceil(train.rows_per_micro_step / cells.fsdp)
+    # The micro-step shape with the most tokens per device: with row buckets one row of
+    # a long length may hold more than the base [R, L] (rollout.max_seq_len may exceed L).
+    rows, length = max(
+        ((math.ceil(r / cells.fsdp), n) for r, n in micro_step_shapes(train)),
+        key=lambda shape: shape[0] * shape[1],
+    )
     kept = kept_bytes_per_token_per_layer(model, cells.tensor)
     # The float32 output matrix [hidden, vocab] and its cotangent, gathered over fsdp.
     head_matrix = 2 * math.ceil(4 * model.hidden_size * model.vocab_size / cells.tensor)
-    logits = rows * train.row_length * head_bytes_per_token(model, cells.tensor) + head_matrix
+    logits = rows * length * head_bytes_per_token(model, cells.tensor) + head_matrix
     return TrainingMemory(
         params=param_bytes,
         gradients=param_bytes,
@@ -297,7 +304,7 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
         optimizer=_per_device(opt_pairs, mesh_shape),
         reference=param_bytes if config.rl.kl_coef > 0 else 0,
         rows=rows,
-        activations_per_row=train.row_length * (model.num_layers + 1) * kept,
+        activations_per_row=length * (model.num_layers + 1) * kept,
         logits=logits,
     )
 

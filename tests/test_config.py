@@ -29,7 +29,7 @@ def test_agent_demo_variant_is_consistent_and_passes_preflight():
     words = shlex.split(config.rl.agent_command)
     assert config.rl.agent == "command" and Path(words[-1]).is_file()
     assert Path(config.rl.tasks_path).is_file()  # absolute: agents run in workspaces
-    assert config.rollout.max_seq_len <= config.train.row_length
+    assert config.rollout.max_seq_len <= config.train.all_row_lengths[-1]
     assert config.harness.context_budget_tokens < config.rollout.max_seq_len
 
 
@@ -74,7 +74,16 @@ def test_values_are_coerced_to_field_types():
         ({"train": {"learning_rate": -1.0}}, r"config\.train\.learning_rate=-1\.0"),
         ({"generate": {"prompts": [[]]}}, r"config\.generate\.prompts"),
         ({"generate": {"prompts": [[600]]}}, r"token 600 >= model\.vocab_size=512"),
-        ({"train": {"row_length": 512}}, r"config\.train\.row_length=512: must be >= rollout"),
+        (
+            {"train": {"row_length": 512}},
+            r"^config\.rollout\.max_seq_len=2048: must be <= the longest row, "
+            r"max\(train\.row_length=512, train\.row_lengths=\(\)\) = 512: a call is trained",
+        ),
+        (  # a longer bucket, but not long enough
+            {"train": {"row_length": 512, "row_lengths": [256, 1024]}},
+            r"^config\.rollout\.max_seq_len=2048: must be <= the longest row, "
+            r"max\(train\.row_length=512, train\.row_lengths=\(256, 1024\)\) = 1024",
+        ),
         (
             {"train": {"row_lengths": [1024, 3000]}},
             r"^config\.train\.row_lengths=\(1024, 3000\): 3000 neither divides nor is a multiple "
@@ -156,6 +165,16 @@ def test_row_buckets_are_accepted_and_the_menu_cap_is_the_packers():
     config = from_dict({"cells": {"size": 2, "sequence": 2}, "train": {"row_lengths": [512, 4096]}})
     assert config.train.all_row_lengths == (512, 2048, 4096)
     assert MAX_ROW_LENGTHS == MAX_ALLOWED_LENGTHS
+
+
+def test_contexts_may_be_longer_than_row_length_when_a_bucket_holds_them():
+    # The cap is the longest row, not train.row_length: a call longer than L trains in
+    # a long bucket.
+    config = from_dict(
+        {"rollout": {"max_seq_len": 4096}, "train": {"row_length": 1024, "row_lengths": [4096]}}
+    )
+    assert config.rollout.max_seq_len > config.train.row_length
+    assert config.train.all_row_lengths[-1] == config.rollout.max_seq_len
 
 
 def test_config_is_frozen():

@@ -235,6 +235,19 @@ def test_layout_is_the_smallest_cell_for_the_longest_row(variant):
         assert not fits(memory_of(gpu_config(variant, **longer)))
 
 
+def test_a_long_row_bucket_is_counted_at_its_length():
+    """With row buckets the estimate is of the micro-step with the most tokens per
+    device: one row of a bucket longer than train.row_length (and than the base [R, L]
+    budget) may hold a context up to rollout.max_seq_len."""
+    row = gpu_config("0.6b").train.row_length
+    longer = {"train.row_length": row // 2, "train.row_lengths": (2 * row,)}
+    est = memory_of(gpu_config("0.6b", **longer, **{"rollout.max_seq_len": 2 * row}))
+    base = estimate("0.6b").training
+    assert est.training.rows == base.rows == 1
+    assert est.training.activations_per_row == 2 * base.activations_per_row
+    assert any(p.startswith("training needs") for p in est.problems)  # 2L: beyond the cell
+
+
 def test_too_small_cells_and_long_rows_are_reported_with_the_numbers():
     one_gpu = gpu_config("8b", **{"cells.size": 1, "cells.tensor": 1})
     est = memory_of(one_gpu)

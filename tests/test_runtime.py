@@ -1,4 +1,5 @@
-"""The RL runtime: every policy completes its steps; kill-and-resume loses nothing, trains
+"""The RL runtime: every policy completes its steps (colocate with contexts longer than
+train.row_length, trained in a longer row bucket); kill-and-resume loses nothing, trains
 nothing twice and repairs its logs (through the real launch path); a bad stored record is
 skipped, counted and run again."""
 
@@ -37,6 +38,9 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     c.scheduler.policy = policy
     c.scheduler.async_training_cells = 1
     c.train.steps = 2
+    if policy == "colocate":  # row buckets (issue 18): contexts longer than row_length
+        c.train.row_length = 128  # a call is ~100 or ~250 tokens, max_seq_len 640
+        c.train.row_lengths = (640,)
     config = from_dict(c)
     summary = Runtime(
         config, split_into_cells(config.cells), init_model(config.model), tmp_path
@@ -44,6 +48,13 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert summary["steps"] == 2 and summary["policy"] == policy
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2]
+    lengths = {length for s in steps for _, length in s["shapes"]}  # the rows trained
+    assert lengths <= set(config.train.all_row_lengths), lengths
+    if policy == "colocate":  # calls longer than row_length, recorded and trained whole
+        stored = ExecutionStore(tmp_path / "executions")
+        assert max(c.length for ex in stored for c in ex.calls) > config.train.row_length
+        assert max(s["longest_call"] for s in steps) > config.train.row_length
+        assert 640 in lengths
     bound = config.scheduler.max_staleness  # the driver's gate holds under every policy
     assert all(0 <= s["staleness_max"] <= bound for s in steps)
     kinds = [t["kind"] for t in read_jsonl(tmp_path / "transitions.jsonl")]

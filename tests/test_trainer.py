@@ -261,6 +261,48 @@ def test_row_buckets_train_like_one_row_length_with_no_compile_after_precompile(
     assert_trees_close(trainer.last_grads, plain.last_grads)
 
 
+def test_satellites_precompiled_for_every_row_shape_join_a_bucketed_step_mid_step():
+    """Satellites precompiled for every shape join while a bucketed batch trains: they
+    compile nothing more, and the update is the plain single-length one (the reference
+    of the core-only bucket test)."""
+    plain_batch = make_batch(0)
+    bucketed = rebucket(plain_batch)
+    assert bucketed.num_micro_steps >= 6
+    all_cells = cells()
+    plain = ElasticTrainer(
+        init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN, keep_last_grads=True
+    )
+    want = plain.train_step(plain_batch)
+
+    trainer = ElasticTrainer(
+        init_model(MODEL), all_cells[0], rl=RLConfig(), train=BUCKETS, keep_last_grads=True
+    )
+    for cell in all_cells:
+        assert trainer.precompile(cell) > 0
+    count = trainer.compile_count
+    join_after = [1, 2, 3]
+    done = []
+
+    def on_micro_step(m, cell):
+        done.append(m)
+        while join_after and len(done) >= join_after[0]:
+            join_after.pop(0)
+            trainer.join(all_cells[len(trainer.training)])
+            time.sleep(0.3)  # hold this worker so the newcomer gets to claim
+
+    got = trainer.train_step(bucketed, on_micro_step=on_micro_step)
+    assert len(trainer.training) == 4 and len(got.joins) == 3 and not got.skipped
+    assert sum(got.micro_steps_per_cell.values()) == bucketed.num_micro_steps
+    assert len(got.cells) >= 2, got.micro_steps_per_cell  # satellites did take part
+    assert all(join.compile_s == 0 for join in got.joins)  # every shape was precompiled
+    assert trainer.compile_count == count + 2, trainer.compile_count - count
+    assert got.metrics["tokens"] == want.metrics["tokens"]
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got.metrics[name], want.metrics[name], rtol=1e-5)
+    assert_trees_close(trainer.last_grads, plain.last_grads)
+    assert_trees_close(params_np(trainer), params_np(plain))
+
+
 def optimizer_state_np(trainer):
     return jax.tree.map(np.asarray, trainer.opt_state)
 

@@ -131,8 +131,10 @@ def step_record(
     *,
     over_stale: int,
     bad_records: int,
+    longest_call: int,
 ) -> dict:
-    """Appends the metrics row of a step to `metrics.jsonl` and logs it; returns it."""
+    """Appends the metrics row of a step to `metrics.jsonl` and logs it; returns it.
+    `longest_call`: the longest context (prompt + output) of a call the step trained."""
     record = {
         "step": report.step,
         "version": report.version,
@@ -145,6 +147,10 @@ def step_record(
         "cells": list(report.cells),
         "step_s": report.step_s,
         "rows": int(batch.tokens.shape[0]),
+        # (rows, row length) of each distinct micro-step shape, longest rows first: which
+        # row buckets the step used.
+        "shapes": [[int(r), int(length)] for r, length in batch.shapes],
+        "longest_call": longest_call,
         "roles": "".join(r.value[0].upper() for r in ctx.driver.roles),
         "utilisation": cell_time.recent_utilisation(),
         "joins": [dataclasses.asdict(j) for j in report.joins],

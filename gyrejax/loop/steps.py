@@ -103,6 +103,7 @@ class Steps:
                 self.cell_time,
                 over_stale=self.over_stale,
                 bad_records=self.groups.bad_records,
+                longest_call=longest_call(executions, batch.execution_ids),
             )
             self.groups.bad_records = 0
             if trainer.step % config.checkpoint.every_steps == 0:
@@ -142,3 +143,11 @@ class Steps:
         if step and self.checkpointer.latest_step() != step:
             self.save()
         self.checkpointer.close()
+
+
+def longest_call(executions: list, trained_ids: tuple[str, ...]) -> int:
+    """The longest context (prompt + output) of a call of the trained executions; 0 if
+    none. Above train.row_length, it was trained in a longer row bucket."""
+    trained = set(trained_ids)
+    lengths = [c.length for ex in executions if ex.execution_id in trained for c in ex.calls]
+    return max(lengths, default=0)

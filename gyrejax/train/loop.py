@@ -104,6 +104,8 @@ def _metrics_record(
         "cells": list(report.cells),
         "micro_steps": batch.num_micro_steps,
         "rows": int(batch.tokens.shape[0]),
+        # (rows, row length) of each distinct micro-step shape, longest rows first.
+        "shapes": [[int(r), int(length)] for r, length in batch.shapes],
         "waste_fraction": batch.stats.waste_fraction,
         "data_position": position,
         "step_s": report.step_s,
