@@ -4,10 +4,11 @@
       [--sequence 8] [--no-run] [--json PATH]
 
 One synthetic agent execution (`trajectory.synthetic`, scaled to the row length:
-compaction restarts at 3/4 of the row length, sub-agents, retries, tool outputs of
-thousands of tokens) of about `--naive-tokens` naive tokens N (the sum over calls of
-prompt + output) goes through `process()` with rows of `--row-length` (and buckets of
-1/8, 1/4, 1/2 of it: shorter rows, several to a micro-step), then one
+compaction at 3/8 of the row length, sub-agents, retries, tool outputs of thousands of
+tokens; the fewest turns that reach the naive tokens with a compaction restart) of
+about `--naive-tokens` naive tokens N (the sum over calls of prompt + output) goes
+through `process()` with rows of `--row-length` (and buckets of 1/8, 1/4, 1/2 of it:
+shorter rows, several to a micro-step), then one
 training step of the tiny model runs on one cell of the 8 CPU-emulated devices:
 fsdp 8/S x tensor 1 x sequence S, every row split over the S sequence shards
 (context-parallel tree attention). Reported:
@@ -35,8 +36,6 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import dataclasses  # noqa: E402
-
 from long_row_bench import TINY, memory  # noqa: E402  (the tiny model, max position 128k)
 
 from gyrejax.cells import split_into_cells  # noqa: E402
@@ -50,10 +49,11 @@ DEVICES = 8
 
 def trace_config(row_length: int, turns: int) -> SyntheticConfig:
     """Agent-shaped knobs scaled to rows of `row_length` (131072: tool outputs up to
-    12k tokens, compaction a little under the row so every call fits it)."""
+    12k tokens, compaction at 3/8 of the row so that a million naive tokens hold
+    restarts: at 3/4 the first one comes only after ~1.7M)."""
     s = row_length / 131072
     scaled = lambda lo, hi: (max(1, int(lo * s)), max(1, int(hi * s)))
-    base = SyntheticConfig(
+    return SyntheticConfig(
         turns=(turns, turns),
         tool_output_tokens=scaled(2000, 12000),
         model_output_tokens=scaled(200, 2000),
@@ -66,10 +66,8 @@ def trace_config(row_length: int, turns: int) -> SyntheticConfig:
         timeout_prob=0.0,
         vocab_size=TINY.vocab_size,
         max_call_tokens=row_length,
-        compaction_budget=row_length // 2,
+        compaction_budget=3 * row_length // 8,
     )
-    # Compaction at 3/4 of the row: restarts within a million tokens, contexts to ~100k.
-    return dataclasses.replace(base, compaction_budget=3 * row_length // 4)
 
 
 def naive_tokens(execution) -> int:
@@ -77,12 +75,14 @@ def naive_tokens(execution) -> int:
 
 
 def million_token_execution(row_length: int, target: int, seed: int = 0):
-    """One execution of at least `target` naive tokens (the fewest turns that reach it)."""
+    """One execution of at least `target` naive tokens with a compaction restart (the
+    fewest turns that reach both)."""
     turns = 1
     while True:  # N grows faster than linearly in turns: step by one (generation is fast)
         cfg = trace_config(row_length, turns)
         (ex,) = generate_executions(1, 1, seed=seed, config=cfg)
-        if naive_tokens(ex) >= target:
+        restarted = any(c.role == "main_summary" for c in ex.calls)
+        if naive_tokens(ex) >= target and restarted:
             return ex, cfg
         turns += 1
 
