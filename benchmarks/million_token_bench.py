@@ -32,6 +32,14 @@ import tracemalloc
 
 # The emulated devices must be set before JAX starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The 8 emulated shards share this machine's cores, so one may reach a ring step's
+# collective minutes after another; XLA's CPU collectives abort after 40 s by default.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=86400"
+    + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=3600"
+    + " --xla_cpu_collective_timeout_seconds=86400"
+)
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)

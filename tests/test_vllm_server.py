@@ -105,7 +105,9 @@ def test_export_midway_continues_on_a_jax_engine(server, models):
     """Migration across engine kinds: tokens so far leave the vLLM server (no KV) and a
     JAX engine finishes the request exactly as an uninterrupted greedy run."""
     _, url = server
-    prompt, budget = PROMPTS[1], 120
+    # The longest budget the server allows, exported at the first token seen: the client
+    # sees tokens late under load, and a request that ended first cannot be exported.
+    prompt, budget = PROMPTS[1], MAX_SEQ_LEN - len(PROMPTS[1]) - 1
     want_ids, want_logprobs = reference(models[0], prompt, budget)
 
     async def go():
@@ -113,8 +115,8 @@ def test_export_midway_continues_on_a_jax_engine(server, models):
         local = JaxEngine("jax", models[0], max_slots=2, max_seq_len=MAX_SEQ_LEN)
         request = Request("m", prompt, SamplingParams(temperature=0.0, max_new_tokens=budget))
         future = remote.submit(request)
-        while len(remote._streams["m"].output) < 10:
-            await asyncio.sleep(0.01)
+        while not remote._streams["m"].output:
+            await asyncio.sleep(0.001)
         live = await remote.export("m")
         with pytest.raises(RequestMigrated):
             await future
@@ -126,7 +128,7 @@ def test_export_midway_continues_on_a_jax_engine(server, models):
         return live, completion
 
     live, completion = run(go())
-    assert live.kv is None and 10 <= len(live.output_ids) < budget
+    assert live.kv is None and 1 <= len(live.output_ids) < budget
     assert live.engines == ("vllm-http",)
     np.testing.assert_array_equal(completion.output_ids, want_ids)
     np.testing.assert_allclose(completion.logprobs, want_logprobs, atol=LOGPROB_ATOL)
@@ -138,14 +140,16 @@ def test_weight_reload_mid_flight_labels_every_token(server, checkpoints, models
     rest the new one, and those are exactly what the new weights produce greedily from
     the tokens before the switch."""
     _, url = server
-    prompt, budget = PROMPTS[0], 200
+    # The longest budget the server allows, the reload asked for at the first token seen:
+    # the request must still run when the reload lands (under load it once did not).
+    prompt, budget = PROMPTS[0], MAX_SEQ_LEN - len(PROMPTS[0]) - 1
 
     async def go():
         engine = await VllmServerEngine.connect(url, name="vllm-http", version=0)
         request = Request("w", prompt, SamplingParams(temperature=0.0, max_new_tokens=budget))
         future = engine.submit(request)
-        while len(engine._streams["w"].output) < 20:
-            await asyncio.sleep(0.01)
+        while not engine._streams["w"].output:
+            await asyncio.sleep(0.001)
         await engine.update_weights(str(checkpoints[1]), 1)
         completion = await future
         status = await engine.status()
@@ -156,7 +160,7 @@ def test_weight_reload_mid_flight_labels_every_token(server, checkpoints, models
     assert status["weight_version"] == "1"
     versions = completion.versions
     switch = int(np.argmax(versions == 1))
-    assert 20 <= switch < budget
+    assert 1 <= switch < budget
     assert np.all(versions[:switch] == 0) and np.all(versions[switch:] == 1)
     before, _ = reference(models[0], prompt, switch)
     np.testing.assert_array_equal(completion.output_ids[:switch], before)
