@@ -1,6 +1,10 @@
-"""HF checkpoint I/O: parity with transformers, export round trip, clear errors."""
+"""HF checkpoint I/O: parity with transformers, export round trip (with the tokenizer),
+config.json written last, clear errors."""
 
+import hashlib
 import json
+import os
+import re
 import shutil
 
 import jax
@@ -10,9 +14,19 @@ import pytest
 import torch
 from conftest import HF_VARIANTS
 from flax import nnx
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gyrejax.model.hf_io import CheckpointError, export_hf, hf_tensors, load_hf, read_model_config
+from gyrejax.config import ConfigError
+from gyrejax.model import hf_io
+from gyrejax.model.hf_io import (
+    TOKENIZER_FILES,
+    CheckpointError,
+    export_hf,
+    hf_tensors,
+    load_hf,
+    read_model_config,
+    tokenizer_fingerprint,
+)
 from gyrejax.model.sampling import generate
 
 PROMPT = [5, 17, 99, 3, 200, 41, 7]
@@ -107,6 +121,80 @@ def test_export_is_loadable_by_transformers(hf_checkpoints, tmp_path):
     with torch.no_grad():
         want = hf_model(tmp_path / "out")(torch.tensor(tokens)).logits.numpy()
     assert np.abs(our_logits(model, tokens) - want).max() <= 1e-4
+
+
+SAMPLE = "def export_hf(model):\n    return {'tokens': [1, 2]}  # ünïcode, then more"
+
+
+def test_export_with_the_tokenizer_loads_as_one_directory(hf_checkpoints, bpe_tokenizer, tmp_path):
+    model = load_hf(hf_checkpoints["qwen3"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "vocab.json").write_text("{}")  # a stale file of another tokenizer: removed
+    export_hf(model, out, tokenizer=bpe_tokenizer)
+    source = {p.name for p in bpe_tokenizer.iterdir() if p.name in TOKENIZER_FILES}
+    assert "tokenizer.json" in source
+    assert {p.name for p in out.iterdir()} == source | {"config.json", "model.safetensors"}
+    want, got = AutoTokenizer.from_pretrained(bpe_tokenizer), AutoTokenizer.from_pretrained(out)
+    assert got(SAMPLE)["input_ids"] == want(SAMPLE)["input_ids"]
+    assert len(got(SAMPLE)["input_ids"]) < len(SAMPLE.encode())  # the BPE, not bytes
+    chat = [{"role": "user", "content": "hi"}]
+    assert got.apply_chat_template(chat) == want.apply_chat_template(chat)
+    assert hf_model(out).config.vocab_size == model.config.vocab_size
+    assert tokenizer_fingerprint(out) == tokenizer_fingerprint(bpe_tokenizer)
+
+    # No tokenizer (or the byte one, which has no files): the export holds none.
+    for tokenizer in (None, "bytes"):
+        plain = tmp_path / f"plain_{tokenizer}"
+        export_hf(model, plain, tokenizer=tokenizer)
+        assert {p.name for p in plain.iterdir()} == {"config.json", "model.safetensors"}
+
+
+def test_config_json_is_written_last_and_a_crash_leaves_no_config(
+    hf_checkpoints, bpe_tokenizer, tmp_path, monkeypatch
+):
+    """Every file lands by rename, config.json the last; a crash while copying the
+    tokenizer (re-exporting over a complete export) leaves a directory without it."""
+    model = load_hf(hf_checkpoints["qwen2"])
+    landed = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        landed.append(os.path.basename(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(hf_io.os, "replace", replace)
+    export_hf(model, tmp_path / "out", tokenizer=bpe_tokenizer, max_shard_bytes=40_000)
+    assert landed[-1] == "config.json" and landed.count("config.json") == 1
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(landed[:-1])
+    assert "model.safetensors.index.json" in landed
+    assert {p.name for p in (tmp_path / "out").iterdir()} == set(landed)
+
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_io.shutil, "copyfile", crash)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf(model, tmp_path / "out", tokenizer=bpe_tokenizer)
+    assert not (tmp_path / "out" / "config.json").exists()
+    with pytest.raises(CheckpointError, match=r"config\.json: not found"):
+        load_hf(tmp_path / "out")
+
+
+def test_tokenizer_fingerprint(bpe_tokenizer, tmp_path):
+    assert tokenizer_fingerprint("bytes") == "bytes"
+    data = (bpe_tokenizer / "tokenizer.json").read_bytes()
+    assert tokenizer_fingerprint(bpe_tokenizer) == f"sha256:{hashlib.sha256(data).hexdigest()}"
+    other = tmp_path / "other"
+    shutil.copytree(bpe_tokenizer, other)
+    (other / "chat_template.jinja").write_text("{{ messages }}")  # ids mean the same
+    assert tokenizer_fingerprint(other) == tokenizer_fingerprint(bpe_tokenizer)
+    changed = data.replace(b'"def"', b'"fed"', 1)  # one vocabulary entry's string
+    assert changed != data
+    (other / "tokenizer.json").write_bytes(changed)
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(bpe_tokenizer)
+    with pytest.raises(ConfigError, match=re.escape(f"tokenizer={tmp_path}: no tokenizer")):
+        tokenizer_fingerprint(tmp_path)
 
 
 def test_sharded_export_writes_index_and_loads(hf_checkpoints, tmp_path):

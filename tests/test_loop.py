@@ -4,15 +4,17 @@ a resume after a kill writes each step once and trains around bad records."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import REPO_ROOT, load_config_file, read_jsonl
 from test_trajectory_store import rewrite_header, set_field
 
 from gyrejax.cells import split_into_cells
-from gyrejax.config import from_dict
+from gyrejax.config import ConfigError, from_dict
 from gyrejax.model.hf_io import load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.train.loop import train_on_store
@@ -79,10 +81,13 @@ def test_missing_store_is_one_clear_line(tmp_path):
     )
 
 
-def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_export(tmp_path):
+def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_export(
+    tmp_path, bpe_tokenizer
+):
     """A kill after step 3's metrics row but before its checkpoint (and mid-way through
     the next row and through step 2's export): the resumed run writes each step once,
-    re-exports step 2, and trains around two bad records, counting them per step."""
+    re-exports step 2, and trains around two bad records, counting them per step. A
+    resume under another `model.tokenizer` is refused before any step."""
     store = ExecutionStore(tmp_path / "store")
     executions = generate_executions(
         3, 2, seed=0, turns=(3, 6), vocab_size=264, system_prompt_tokens=20, task_tokens=(5, 10),
@@ -125,3 +130,12 @@ def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_expor
     assert [r["bad_records"] for r in rows] == [2, 1, 1]
     assert load_hf(work / "hf" / "step_2").config.num_layers == 1
     assert load_hf(work / "hf" / "step_3").config.num_layers == 1
+    assert not (work / "hf" / "step_3" / "tokenizer.json").exists()  # bytes: no files
+
+    # The checkpoints were trained with the byte tokenizer: its ids mean bytes.
+    c.train.steps, c.model.tokenizer = 4, str(bpe_tokenizer)
+    config = from_dict(c)
+    want = f"config.model.tokenizer={bpe_tokenizer}: checkpoint {work / 'checkpoints' / '3'} "
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        train_on_store(config, cells, init_model(config.model), work)
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3]  # nothing trained

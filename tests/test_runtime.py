@@ -139,10 +139,11 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert summary["steps"] == 4
 
 
-def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path):
+def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path, bpe_tokenizer):
     """A killed run had dispatched g0 and stored both its executions; one record has since
     gone bad (a valid checksum over a bad field). The resumed run skips it (named,
-    counted in the step's metrics), runs that execution again and trains the group."""
+    counted in the step's metrics), runs that execution again and trains the group. Its
+    checkpoint, trained with the byte tokenizer, refuses a resume under another one."""
     c = two_cells_async(steps=1)
     config = from_dict(c)
     synthetic = generate_executions(
@@ -170,6 +171,14 @@ def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path):
     rerun = ExecutionStore(tmp_path / "executions").get("g0/1")  # run again, stored anew
     assert rerun.group_id == "g0" and rerun.calls
     assert ExecutionStore(tmp_path / "executions").get("g0/0") == store.get("g0/0")
+
+    c.train.steps, c.model.tokenizer = 2, str(bpe_tokenizer)
+    config = from_dict(c)
+    runtime = Runtime(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
+    want = f"config.model.tokenizer={bpe_tokenizer}: checkpoint {tmp_path / 'checkpoints' / '1'} "
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        runtime.run()
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1  # nothing trained
 
 
 def test_unreachable_external_engine_is_one_clear_error(tmp_path):

@@ -17,10 +17,23 @@ import pytest
 from conftest import REPO_ROOT
 
 from gyrejax.cells import split_into_cells
-from gyrejax.config import CellsConfig, CheckpointConfig, ModelConfig, RLConfig, TrainConfig
+from gyrejax.config import (
+    CellsConfig,
+    CheckpointConfig,
+    ConfigError,
+    ModelConfig,
+    RLConfig,
+    TrainConfig,
+)
 from gyrejax.model.hf_io import CheckpointError
 from gyrejax.model.transformer import init_model
-from gyrejax.train.checkpoint import TrainCheckpointer, restore_weights, save_weights
+from gyrejax.train.checkpoint import (
+    TOKENIZER_KEY,
+    TrainCheckpointer,
+    check_tokenizer,
+    restore_weights,
+    save_weights,
+)
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import generate_executions, process
 from gyrejax.trajectory.rows import ROW_FIELDS, padding_rows
@@ -342,6 +355,25 @@ def test_resume_continues_the_exact_same_run(tmp_path):
         resumed.train_step(b)
     assert resumed.step == straight.step == 3
     jax.tree.map(np.testing.assert_array_equal, params_np(resumed), params_np(straight))
+
+
+def test_a_resume_under_another_tokenizer_is_refused(tmp_path):
+    checkpointer = TrainCheckpointer(tmp_path / "ck", CheckpointConfig(every_steps=1, keep=1))
+    trainer = ElasticTrainer(init_model(MODEL), cells()[0], rl=RLConfig(), train=TRAIN)
+    trainer.save(checkpointer, {TOKENIZER_KEY: "sha256:" + "ab" * 32})
+    meta = trainer.restore(checkpointer)
+    where = checkpointer.step_path(trainer.step)
+    check_tokenizer(meta, "/tok/a", "sha256:" + "ab" * 32, where)  # the same: resumes
+    with pytest.raises(ConfigError) as refused:
+        check_tokenizer(meta, "bytes", "bytes", where)
+    assert str(refused.value) == (
+        f"config.model.tokenizer=bytes: checkpoint {where} was trained with another "
+        "tokenizer (sha256:abababababab, this one is bytes), so its token ids would mean "
+        "other strings; resume with the tokenizer it was trained with, or start in a new "
+        "workdir"
+    )
+    old = {k: v for k, v in meta.items() if k != TOKENIZER_KEY}  # from an older run
+    check_tokenizer(old, "bytes", "bytes", where)
 
 
 RESTORE_IN_ANOTHER_PROCESS = """

@@ -27,7 +27,8 @@ from gyrejax.logs import mark, prepare_for_append, up_to_step
 from gyrejax.loop.context import RunContext
 from gyrejax.loop.groups import Groups
 from gyrejax.loop.outputs import CellTime, step_record
-from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.model.hf_io import tokenizer_fingerprint
+from gyrejax.train.checkpoint import TOKENIZER_KEY, TrainCheckpointer, check_tokenizer
 from gyrejax.train.loop import process_options
 from gyrejax.trajectory import process
 
@@ -54,6 +55,7 @@ class Steps:
         self.cell_time = cell_time
         self.publish = publish
         self.checkpointer = TrainCheckpointer(ctx.workdir / "checkpoints", ctx.config.checkpoint)
+        self.tokenizer = tokenizer_fingerprint(ctx.config.model.tokenizer)  # (read once)
         self.trained_groups: list[str] = []
         self.over_stale = 0  # groups trained more than max_staleness versions late
 
@@ -118,15 +120,22 @@ class Steps:
         """Checkpoints the trainer with what a restart needs to go on."""
         meta = {"trained_groups": self.trained_groups, "next_seq": self.groups.next_seq}
         meta.update(burst=self.ctx.driver.burst, seed=self.ctx.config.seed)
+        meta[TOKENIZER_KEY] = self.tokenizer
         self.ctx.trainer.save(self.checkpointer, meta)
 
     def restore(self) -> None:
         """Resumes from the newest readable checkpoint, if any, and readies the logs for
         appending: a torn last line (a kill mid-write) is cut away, and metric rows of
-        steps past the checkpoint are dropped, since those steps are trained again."""
+        steps past the checkpoint are dropped, since those steps are trained again.
+
+        Raises:
+          ConfigError: the checkpoint was trained with another `model.tokenizer`.
+        """
         ctx, trainer = self.ctx, self.ctx.trainer
         if self.checkpointer.latest_step() is not None:
             meta = trainer.restore(self.checkpointer)
+            where = self.checkpointer.step_path(trainer.step)
+            check_tokenizer(meta, ctx.config.model.tokenizer, self.tokenizer, where)
             self.trained_groups = list(meta["trained_groups"])
             ctx.driver.burst = int(meta["burst"])
             ctx.driver.rollout_version = trainer.version

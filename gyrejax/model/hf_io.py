@@ -2,15 +2,21 @@
 
 `load_hf` reads `config.json` plus `model.safetensors` (or a sharded
 `model.safetensors.index.json`) into a `Transformer`; `export_hf` writes a model back in
-the same layout, so transformers and vLLM load trained weights. Every problem with a
-checkpoint raises `CheckpointError` naming the file and, where it applies, the tensor.
+the same layout, so transformers and vLLM load trained weights, and with an HF tokenizer
+directory copies its files in too (`TOKENIZER_FILES`), so one directory serves both
+`AutoTokenizer` and `AutoModelForCausalLM`, as a Qwen checkpoint does.
+`tokenizer_fingerprint` names a `model.tokenizer`'s vocabulary (what the model's ids
+mean) for the training checkpoints' metadata. Every problem with a checkpoint raises
+`CheckpointError` naming the file and, where it applies, the tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,13 +27,28 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from gyrejax.config import ConfigError, ModelConfig, ShardingRules
+from gyrejax.config import BYTE_TOKENIZER, ConfigError, ModelConfig, ShardingRules
 from gyrejax.model.sharding import logical_axes_of, logical_to_spec
 from gyrejax.model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# An HF tokenizer's files, as `save_pretrained` writes them (Qwen's set, plus the
+# sentencepiece model of other families): whichever exist are copied into an export.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+# The files that define what each id means: tokenizer.json alone holds it all (merges,
+# added tokens); a slow tokenizer's vocabulary is spread over the others.
+_VOCABULARY_FILES = ("vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
 # Tensors some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -343,13 +364,50 @@ def hf_tensors(
     return tensors
 
 
+def tokenizer_fingerprint(tokenizer: str | os.PathLike) -> str:
+    """What `model.tokenizer`'s ids mean, in one string: `bytes` for the byte tokenizer,
+    else `sha256:<hex>` of the directory's tokenizer.json (or, lacking one, of its
+    vocabulary files, else of tokenizer_config.json). Chat-template files are left out:
+    a new template renders conversations differently but keeps every id's string.
+
+    Raises:
+      ConfigError: naming `config.model.tokenizer` when the directory has none of them.
+    """
+    if str(tokenizer) == BYTE_TOKENIZER:
+        return BYTE_TOKENIZER
+    directory = Path(tokenizer)
+    if (directory / "tokenizer.json").is_file():
+        names: tuple[str, ...] = ("tokenizer.json",)
+    else:
+        names = tuple(n for n in _VOCABULARY_FILES if (directory / n).is_file())
+        names = names or tuple(n for n in ("tokenizer_config.json",) if (directory / n).is_file())
+    if not names:
+        raise ConfigError(f"config.model.tokenizer={tokenizer}: no tokenizer files in it")
+    digest = hashlib.sha256()
+    for name in names:
+        if len(names) > 1:
+            digest.update(name.encode() + b"\0")
+        digest.update((directory / name).read_bytes())
+    return f"sha256:{digest.hexdigest()}"
+
+
 def export_hf(
-    model: Transformer, directory: str | os.PathLike, *, max_shard_bytes: int = 2 << 30
+    model: Transformer,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2 << 30,
 ) -> Path:
     """Writes `model` as an HF checkpoint (config.json + safetensors, sharded if large).
 
     Files are written under temporary names and renamed, and `config.json` is written
     last, so a crash never leaves a directory that loads as a valid but partial checkpoint.
+
+    Args:
+      tokenizer: an HF tokenizer directory (a `model.tokenizer`): whichever of
+        `TOKENIZER_FILES` it holds are copied in (and others of them the directory held
+        removed), so `AutoTokenizer.from_pretrained(directory)` loads it. None or
+        `bytes` (the byte tokenizer, which has no files): no tokenizer file is touched.
 
     Returns:
       The checkpoint directory.
@@ -375,8 +433,20 @@ def export_hf(
     # config.json goes first and comes back last: it marks a complete checkpoint.
     old = [CONFIG_FILE, SINGLE_FILE, INDEX_FILE]
     old += [p.name for p in directory.glob("model-*.safetensors")]
+    tokenizer_files: list[Path] = []
+    if tokenizer is not None and str(tokenizer) != BYTE_TOKENIZER:
+        source = Path(tokenizer)
+        if not source.is_dir():
+            raise CheckpointError(f"tokenizer {source}: not a directory")
+        if source.resolve() != directory.resolve():  # (exporting into it: keep its own)
+            tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
+            old += [n for n in TOKENIZER_FILES if not (source / n).is_file()]
     for stale in old:
         (directory / stale).unlink(missing_ok=True)
+    for path in tokenizer_files:
+        tmp = directory / f".{path.name}.tmp"
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, directory / path.name)
     if len(shards) == 1:
         names = [SINGLE_FILE]
     else:

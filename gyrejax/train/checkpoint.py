@@ -18,6 +18,12 @@ fresh one). When no checkpoint is readable nothing is moved, and one `Checkpoint
 line names them all. Every failure to create, save or restore a checkpoint is a
 `CheckpointError`, which launch prints as one line.
 
+The metadata also records `model.tokenizer`'s fingerprint (`TOKENIZER_KEY`,
+`hf_io.tokenizer_fingerprint`): the model's ids mean that tokenizer's strings, so a
+resume under another tokenizer (a different directory, or the demo tokenizer rebuilt
+after a code change) is refused by `check_tokenizer` with one `ConfigError` line; a
+checkpoint from before the field existed resumes as it did.
+
 A weights-only snapshot (`save_weights` / `restore_weights`) is what a satellite in
 another process restores with its own sharding (DESIGN.md: "restoring sharded params
 from the core cell via Orbax").
@@ -40,10 +46,12 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from gyrejax.config import CheckpointConfig
+from gyrejax.config import CheckpointConfig, ConfigError
 from gyrejax.logs import mark
 from gyrejax.model.hf_io import CheckpointError
 
+# The checkpoint metadata's record of the tokenizer the weights were trained with.
+TOKENIZER_KEY = "tokenizer"
 # Suffix of a checkpoint moved aside: `<step>.corrupt-<time>` is no step name to Orbax.
 CORRUPT_MARK = ".corrupt-"
 
@@ -54,6 +62,36 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     text = lines[0].split(" See full TensorStore details")[0] if lines else ""
     text = text if len(text) <= limit else text[:limit] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def check_tokenizer(
+    metadata: dict, tokenizer: str, fingerprint: str, checkpoint: str | os.PathLike
+) -> None:
+    """Refuses to resume `checkpoint` under another tokenizer than it was trained with.
+
+    Args:
+      metadata: the restored checkpoint's metadata (without `TOKENIZER_KEY`, from an
+        older run: accepted).
+      tokenizer: `config.model.tokenizer` of this run.
+      fingerprint: its `hf_io.tokenizer_fingerprint`.
+      checkpoint: the restored checkpoint's directory, for the message.
+
+    Raises:
+      ConfigError: one line naming `config.model.tokenizer`, its value and `checkpoint`.
+    """
+    recorded = metadata.get(TOKENIZER_KEY)
+    if recorded is None or recorded == fingerprint:
+        return
+    raise ConfigError(
+        f"config.model.tokenizer={tokenizer}: checkpoint {checkpoint} was trained with "
+        f"another tokenizer ({_short(recorded)}, this one is {_short(fingerprint)}), so "
+        "its token ids would mean other strings; resume with the tokenizer it was trained "
+        "with, or start in a new workdir"
+    )
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint[: len("sha256:") + 12] if fingerprint.startswith("sha256:") else fingerprint
 
 
 def abstract_like(tree, shardings) -> Any:

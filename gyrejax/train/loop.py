@@ -9,9 +9,12 @@ the execution store in a fixed order (cycling), processes them into a packed bat
 (admission seeded by `seed + step`, so a resumed run makes the same batches), and runs
 one elastic training step. Checkpoints go to `workdir/checkpoints` every
 `checkpoint.every_steps` steps and at the end, with the data position; an HF export of
-the weights goes to `workdir/hf/step_<n>`. Starting the same command again resumes from
-the latest checkpoint (metric rows of steps past it are dropped from `metrics.jsonl`,
-since those steps run again, and an HF export a kill cut short is written again).
+the weights goes to `workdir/hf/step_<n>` (with the tokenizer's files when
+`model.tokenizer` is an HF directory, so it loads as a Qwen checkpoint does). Starting
+the same command again resumes from the latest checkpoint (metric rows of steps past it
+are dropped from `metrics.jsonl`, since those steps run again, and an HF export a kill
+cut short is written again); a checkpoint trained with another `model.tokenizer` is
+refused (`check_tokenizer`).
 Per-step metrics are appended to `workdir/metrics.jsonl`; `bad_records` counts the
 records left out of the step's batch (skipped by the store, or refused by the
 trajectory processor): one bad record never stops a step.
@@ -29,9 +32,9 @@ from absl import logging
 from gyrejax.cells import Cell
 from gyrejax.config import Config, ConfigError
 from gyrejax.logs import prepare_for_append, up_to_step
-from gyrejax.model.hf_io import export_hf
+from gyrejax.model.hf_io import export_hf, tokenizer_fingerprint
 from gyrejax.model.transformer import Transformer
-from gyrejax.train.checkpoint import TrainCheckpointer
+from gyrejax.train.checkpoint import TOKENIZER_KEY, TrainCheckpointer, check_tokenizer
 from gyrejax.train.trainer import ElasticTrainer, StepReport
 from gyrejax.trajectory import ExecutionStore, PackedBatch, process
 from gyrejax.trajectory.process import check_execution
@@ -114,18 +117,21 @@ def _metrics_record(
     }
 
 
-def _export(trainer: ElasticTrainer, workdir: Path, keep: int) -> None:
-    root = workdir / "hf"
-    export_hf(trainer.model(), root / f"step_{trainer.step}")
+def _export(trainer: ElasticTrainer, workdir: Path, config: Config) -> None:
+    root, keep = workdir / "hf", config.checkpoint.keep
+    export_hf(trainer.model(), root / f"step_{trainer.step}", tokenizer=config.model.tokenizer)
     exports = sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     for old in exports[:-keep]:
         shutil.rmtree(old)
 
 
-def _checkpoint(trainer, checkpointer, config: Config, workdir: Path, position: int) -> None:
-    trainer.save(checkpointer, {"data_position": position, "seed": config.seed})
+def _checkpoint(
+    trainer, checkpointer, config: Config, workdir: Path, position: int, tokenizer: str
+) -> None:
+    meta = {"data_position": position, "seed": config.seed, TOKENIZER_KEY: tokenizer}
+    trainer.save(checkpointer, meta)
     if config.checkpoint.export_hf:
-        _export(trainer, workdir, config.checkpoint.keep)
+        _export(trainer, workdir, config)
 
 
 def _log_step(report: StepReport, batch: PackedBatch) -> None:
@@ -171,6 +177,10 @@ def train_on_store(
       cells: every cell (all of them train).
       model: the starting policy.
       workdir: metrics, checkpoints and HF exports go here.
+
+    Raises:
+      ConfigError: the store is missing or empty, or the checkpoint to resume was
+        trained with another `model.tokenizer`.
       trainer: the trainer to train, at the start of this phase (the warm start hands
         over the job's one trainer; across processes it has their transport); default:
         a new one on `cells[0]` built from `model`.
@@ -193,16 +203,19 @@ def train_on_store(
         trainer.join(cell)
         trainer.precompile(cell)  # (another process compiles its own cells)
     checkpointer = TrainCheckpointer(workdir / "checkpoints", config.checkpoint)
+    tokenizer = tokenizer_fingerprint(config.model.tokenizer)
     position = 0
     if checkpointer.latest_step() is not None:
         meta = trainer.restore(checkpointer)
+        where = checkpointer.step_path(trainer.step)
+        check_tokenizer(meta, config.model.tokenizer, tokenizer, where)
         position = int(meta["data_position"])
         logging.info("resumed from checkpoint step %d (data position %d)", trainer.step, position)
         # A kill between the checkpoint and the end of its export leaves an export
         # without config.json (one that never loads); the checkpoint has its weights.
         export = workdir / "hf" / f"step_{trainer.step}"
         if config.checkpoint.export_hf and not (export / "config.json").exists():
-            _export(trainer, workdir, config.checkpoint.keep)
+            _export(trainer, workdir, config)
     # Steps past the checkpoint run again: their rows (and a torn last line) go.
     prepare_for_append(workdir / "metrics.jsonl", keep=up_to_step(trainer.step))
 
@@ -230,10 +243,10 @@ def train_on_store(
                 metrics_file.flush()
                 _log_step(report, batch)
                 if trainer.step % config.checkpoint.every_steps == 0:
-                    _checkpoint(trainer, checkpointer, config, workdir, position)
+                    _checkpoint(trainer, checkpointer, config, workdir, position, tokenizer)
                     saved_step = trainer.step
     finally:  # at exit, normal or not: keep every completed step
         if trainer.step != saved_step:
-            _checkpoint(trainer, checkpointer, config, workdir, position)
+            _checkpoint(trainer, checkpointer, config, workdir, position, tokenizer)
     checkpointer.close()
     return StoreTraining(steps_run, last, trainer)
