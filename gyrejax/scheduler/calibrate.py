@@ -87,6 +87,10 @@ class Fit:
             "tool_median_s": s.tool_median_s,
             "tool_sigma": s.tool_sigma,
             "first_step_s": s.first_step_s,
+            "batch_cost": s.batch_cost,
+            "engine_compile_s": s.engine_compile_s,
+            "train_compile_s": s.train_compile_s,
+            "join_compile_s": s.join_compile_s,
             "to_training_s": s.to_training_s,
             "to_rollout_s": s.to_rollout_s,
             "startup_s": self.startup_s,
@@ -181,6 +185,7 @@ def read_calls(workdir: Path) -> list[dict]:
             "start": c["started_at"] - offset,
             "end": c["finished_at"] - offset,
             "tokens": c["output_len"],
+            "engine": (c.get("engines") or ["engine"])[0],
         }
         for h in headers
         for c in h.get("calls", [])
@@ -188,60 +193,133 @@ def read_calls(workdir: Path) -> list[dict]:
 
 
 def _shared_work(
-    calls: list[dict], steps: list[dict], cores: float, train_cores: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """(work of each call, work of each step): the integral of min(1, cores / demand)
-    over it, demand = calls decoding + train_cores while a step runs."""
+    calls: list[dict], steps: list[dict], cores: float, train_cores: float, per_engine: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(work of each call, its engine's mean batch, work of each step): the integral of
+    share = min(1, cores / demand) over it, demand = (engines with a call decoding when
+    `per_engine`, else calls decoding) + train_cores while a step runs; the batch is the
+    share-weighted mean number of calls decoding on the call's engine."""
     c_start = np.array([c["start"] for c in calls])
     c_end = np.array([c["end"] for c in calls])
+    engines = sorted({c["engine"] for c in calls})
+    engine = np.array([engines.index(c["engine"]) for c in calls])
     s_end = np.array([s["time_s"] for s in steps], dtype=float)
     s_start = s_end - np.array([s["step_s"] for s in steps], dtype=float)
     edges = np.unique(np.concatenate([c_start, c_end, s_start, s_end]))
     mid = (edges[:-1] + edges[1:]) / 2
-    decoding = np.searchsorted(np.sort(c_start), mid) - np.searchsorted(np.sort(c_end), mid)
-    training = np.searchsorted(np.sort(s_start), mid) - np.searchsorted(np.sort(s_end), mid)
-    demand = decoding + train_cores * (training > 0)
+
+    def active(start, end):
+        return np.searchsorted(np.sort(start), mid) - np.searchsorted(np.sort(end), mid)
+
+    batch = np.stack(
+        [active(c_start[engine == i], c_end[engine == i]) for i in range(len(engines))]
+    )
+    decoding = (batch > 0).sum(axis=0) if per_engine else batch.sum(axis=0)
+    demand = decoding + train_cores * (active(s_start, s_end) > 0)
     share = np.where(demand > 0, np.minimum(1.0, cores / np.maximum(demand, 1e-12)), 1.0)
-    integral = np.concatenate([[0.0], np.cumsum(share * np.diff(edges))])
+    dt = np.diff(edges)
+    integral = np.concatenate([[0.0], np.cumsum(share * dt)])
+    batched = np.concatenate(
+        [np.zeros((len(engines), 1)), np.cumsum(share * dt * batch, axis=1)], 1
+    )
 
-    def work(start, end):
-        return integral[np.searchsorted(edges, end)] - integral[np.searchsorted(edges, start)]
+    def at(values, t):
+        return values[..., np.searchsorted(edges, t)]
 
-    return work(c_start, c_end), work(s_start, s_end)
+    call_work = at(integral, c_end) - at(integral, c_start)
+    call_batch = (
+        batched[engine, np.searchsorted(edges, c_end)]
+        - batched[engine, np.searchsorted(edges, c_start)]
+    ) / np.maximum(call_work, 1e-12)
+    return call_work, np.maximum(call_batch, 1.0), at(integral, s_end) - at(integral, s_start)
 
 
-def _log_misfit(work: np.ndarray, tokens: np.ndarray) -> float:
-    """Mean squared log error of work ~ a + b * tokens (least squares, a, b >= 0)."""
-    design = np.stack([tokens, np.ones_like(tokens)], axis=1)
+def _call_design(tokens: np.ndarray, batch: np.ndarray, per_engine: bool) -> np.ndarray:
+    """Columns of a call's work: a constant (prefill) and tokens, each also times its
+    engine's batch when `per_engine` (a step's cost a + b * n, prefill included)."""
+    columns = [np.ones_like(tokens), tokens]
+    if per_engine:
+        columns += [batch, tokens * batch]
+    return np.stack(columns, axis=1)
+
+
+def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]:
+    """(coefficients >= 0, mean squared log error) of work ~ design @ coefficients."""
     coef, *_ = np.linalg.lstsq(design, work, rcond=None)
-    predicted = np.maximum(design @ np.maximum(coef, 0.0), 1e-9)
-    return float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
+    coef = np.maximum(coef, 0.0)
+    predicted = np.maximum(design @ coef, 1e-9)
+    return coef, float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
+
+
+def _compile_calls(calls: list[dict]) -> tuple[np.ndarray, dict[str, int]]:
+    """(bool per call: it waited for its engine's compilation, the engine's first call to
+    finish by engine): the calls that started before their engine's first call ended."""
+    first: dict[str, int] = {}
+    for i, c in enumerate(calls):
+        j = first.get(c["engine"])
+        if j is None or c["end"] < calls[j]["end"]:
+            first[c["engine"]] = i
+    waited = np.array([c["start"] < calls[first[c["engine"]]]["end"] for c in calls])
+    return waited, first
+
+
+def _classify_steps(steps: list[dict]) -> tuple[list[int], list[int]]:
+    """(steady steps, steps at a new trainer width) among steps[1:] (index into steps);
+    a step where a cell compiled to join is not steady."""
+    seen = {len(steps[0]["cells"])}
+    steady, new_width = [], []
+    for k in range(1, len(steps)):
+        width = len(steps[k]["cells"])
+        if width not in seen:
+            new_width.append(k)
+        elif not any((j.get("compile_s") or 0) > 0 for j in steps[k].get("joins", [])):
+            steady.append(k)
+        seen.add(width)
+    return steady, new_width
 
 
 def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     """The load model's parameters from a run's calls and steps (module docstring)."""
     tokens = np.array([c["tokens"] for c in calls], dtype=float)
-    step_tokens = np.array([s["tokens"] for s in steps[1:]], dtype=float)
+    waited, first = _compile_calls(calls)
+    steady_steps, new_width = _classify_steps(steps)
+    step_tokens = np.array([steps[k]["tokens"] for k in steady_steps], dtype=float)
+
+    def evaluate(cores, train_cores, per_engine):
+        call_work, batch, step_work = _shared_work(calls, steps, cores, train_cores, per_engine)
+        design = _call_design(tokens, batch, per_engine)
+        coef, misfit = _log_lstsq(design[~waited], call_work[~waited])
+        if len(step_tokens) >= 3:
+            step_design = _call_design(step_tokens, step_tokens, False)
+            misfit += _log_lstsq(step_design, step_work[steady_steps])[1]
+        return misfit, cores, train_cores, per_engine, coef, call_work, batch, step_work
+
     best = None
-    for cores in CORES_GRID:
-        for train_cores in TRAIN_CORES_GRID:
-            call_work, step_work = _shared_work(calls, steps, cores, train_cores)
-            misfit = _log_misfit(call_work, tokens)
-            if len(step_tokens) >= 3:
-                misfit += _log_misfit(step_work[1:], step_tokens)
-            if best is None or misfit < best[0] - 1e-12:
-                best = (misfit, cores, train_cores, call_work, step_work)
+    for per_engine in (False, True):
+        for cores in CORES_GRID:
+            for train_cores in TRAIN_CORES_GRID:
+                got = evaluate(cores, train_cores, per_engine)
+                if best is None or got[0] < best[0] - 1e-12:
+                    best = got
     # Between grid points: a finer grid of cores around the best.
     for cores in np.geomspace(best[1] / 1.13, best[1] * 1.13, 25):
-        call_work, step_work = _shared_work(calls, steps, float(cores), best[2])
-        misfit = _log_misfit(call_work, tokens)
-        if len(step_tokens) >= 3:
-            misfit += _log_misfit(step_work[1:], step_tokens)
-        if misfit < best[0] - 1e-12:
-            best = (misfit, float(cores), best[2], call_work, step_work)
-    _, cores, train_cores, call_work, step_work = best
+        got = evaluate(float(cores), best[2], best[3])
+        if got[0] < best[0] - 1e-12:
+            best = got
+    _, cores, train_cores, per_engine, coef, call_work, batch, step_work = best
+    predicted = _call_design(tokens, batch, per_engine) @ coef
+    alone = _call_design(tokens, np.ones_like(tokens), per_engine) @ coef  # alone on its engine
+    batch_cost = 0.0
+    if per_engine:  # b / (a + b) of a call of median tokens
+        median_tokens = float(np.median(tokens))
+        fixed, per_execution = coef[0] + coef[1] * median_tokens, coef[2] + coef[3] * median_tokens
+        batch_cost = per_execution / max(fixed + per_execution, 1e-12)
+    # Each call's work as if alone on its engine: measured, scaled by the batch's cost;
+    # a call that waited for its engine's compilation gets its modelled work instead.
+    normal = np.where(waited, alone, call_work * alone / np.maximum(predicted, 1e-12))
+    engine_compile = [max(0.0, call_work[i] - predicted[i]) for i in first.values()]
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
-    for c, w in zip(calls, call_work, strict=True):
+    for c, w in zip(calls, normal, strict=True):
         by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
     turns = max(1, round(len(calls) / len(by_execution)))
     work, gaps = [], []
@@ -250,30 +328,42 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         work.append(sum(w for *_, w in parts))
         # The time between its calls, spread over the model's turns - 1 tool calls.
         gaps.append(sum(b[0] - a[1] for a, b in itertools.pairwise(parts)) / max(turns - 1, 1))
-    # Executions that start after the first step ended miss the engines' compilation.
-    first_end = float(steps[0]["time_s"])
-    steady = [
-        w for w, parts in zip(work, by_execution.values(), strict=True) if parts[0][0] >= first_end
-    ]
-    median, sigma = _lognormal(np.array(steady if len(steady) >= 20 else work))
+    median, sigma = _lognormal(np.array(work))
     tool_median, tool_sigma = _lognormal(np.array(gaps)) if turns > 1 else (0.0, 0.0)
     deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work, strict=True)]
-    per_token, overhead, parallel, residual = _fit_steps(deloaded[1:] or deloaded)
-    first = deloaded[0]
-    first_width = len(first["cells"]) if parallel else 1
-    first_extra = first["step_s"] - overhead - per_token * first["tokens"] / first_width
+    fitted_steps = [deloaded[k] for k in steady_steps] or deloaded[1:] or deloaded
+    per_token_s, overhead, parallel, residual = _fit_steps(fitted_steps)
+
+    def extra(k: int) -> float:  # step k's work beyond the steady fit
+        s = deloaded[k]
+        width = len(s["cells"]) if parallel else 1
+        return s["step_s"] - overhead - per_token_s * s["tokens"] / width
+
+    # A join's compile, logged in wall seconds, is work at the step's mean share.
+    join_compile, join_work = [], np.zeros(len(steps))
+    for k, s in enumerate(steps):
+        mean_share = step_work[k] / max(s["step_s"], 1e-12)
+        for j in s.get("joins", []):
+            if (j.get("compile_s") or 0) > 0:
+                join_compile.append(j["compile_s"] * mean_share)
+                join_work[k] += j["compile_s"] * mean_share
+    train_compile = [max(0.0, extra(k) - join_work[k]) for k in new_width]
     return {
         "decode_cores": cores,
         "train_cores": train_cores,
+        "batch_cost": float(batch_cost),
+        "engine_compile_s": float(np.mean(engine_compile)) if engine_compile else 0.0,
+        "train_compile_s": float(np.mean(train_compile)) if train_compile else 0.0,
+        "join_compile_s": float(np.mean(join_compile)) if join_compile else 0.0,
         "duration_median_s": median,
         "duration_sigma": sigma,
         "turns": turns,
         "tool_median_s": tool_median if turns > 1 else 0.0,
         "tool_sigma": tool_sigma if turns > 1 else 0.0,
-        "train_s_per_token": per_token,
+        "train_s_per_token": per_token_s,
         "step_overhead_s": overhead,
         "train_parallel": bool(parallel),
-        "first_step_s": max(0.0, float(first_extra)),
+        "first_step_s": max(0.0, float(extra(0) - join_work[0])),
         "residual": residual,
         "identified": parallel is not None,
     }
@@ -386,8 +476,12 @@ def write_run_logs(
                 + "\n"
             )
     with open(workdir / "metrics.jsonl", "w") as f:
+        compiles: dict[int, list] = {}
+        for step, cell, wall in log.get("join_compiles", []):
+            compiles.setdefault(step, []).append({"cell": cell, "compile_s": wall})
         for step, (start, end, tokens, cells, at_start) in enumerate(log["steps"], start=1):
-            joins = [{"cell": i} for i in range(cells - at_start)]  # joined mid-step
+            joins = compiles.get(step, [])
+            joins += [{"cell": -1, "compile_s": 0.0}] * (cells - at_start - len(joins))
             f.write(
                 json.dumps(
                     {
@@ -395,7 +489,7 @@ def write_run_logs(
                         "time_s": startup_s + end,
                         "step_s": end - start,
                         "tokens": tokens,
-                        "cells": list(range(cells)),
+                        "cells": list(range(at_start)),  # as the runtime: at the start
                         "joins": joins,
                     }
                 )
@@ -430,8 +524,8 @@ def write_run_logs(
     (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     if log.get("calls"):
         by_execution: dict[int, list] = {}
-        for e, start, end, work in log["calls"]:
-            by_execution.setdefault(e, []).append((start, end, work))
+        for e, start, end, work, engine in log["calls"]:
+            by_execution.setdefault(e, []).append((start, end, work, engine))
         (workdir / "executions").mkdir(exist_ok=True)
         for e, parts in by_execution.items():
             execution_id = f"g{e // n}/{e % n}"
@@ -441,8 +535,9 @@ def write_run_logs(
                     "started_at": startup_s + start,
                     "finished_at": startup_s + end,
                     "output_len": max(1, round(work * TOKENS_PER_WORK_S)),
+                    "engines": [f"cell{engine}"],
                 }
-                for i, (start, end, work) in enumerate(parts)
+                for i, (start, end, work, engine) in enumerate(parts)
             ]
             header = json.dumps({"execution_id": execution_id, "calls": calls}).encode()
             path = workdir / "executions" / f"{escape_id(execution_id)}.gxr"
