@@ -182,23 +182,36 @@ def read_calls(workdir: Path) -> list[dict]:
     return [
         {
             "execution": h["execution_id"],
+            "turn": turn,
             "start": c["started_at"] - offset,
             "end": c["finished_at"] - offset,
             "tokens": c["output_len"],
             "engine": (c.get("engines") or ["engine"])[0],
+            "moved": len(c.get("engines") or []) > 1,  # migrated to another engine
         }
         for h in headers
-        for c in h.get("calls", [])
+        for turn, c in enumerate(sorted(h.get("calls", []), key=lambda c: c["started_at"]))
     ]
 
 
+BATCH_COST_GRID = tuple(np.round(np.linspace(0.0, 1.0, 21), 3))
+
+
 def _shared_work(
-    calls: list[dict], steps: list[dict], cores: float, train_cores: float, per_engine: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(work of each call, its engine's mean batch, work of each step): the integral of
-    share = min(1, cores / demand) over it, demand = (engines with a call decoding when
-    `per_engine`, else calls decoding) + train_cores while a step runs; the batch is the
-    share-weighted mean number of calls decoding on the call's engine."""
+    calls: list[dict],
+    steps: list[dict],
+    cores: float,
+    train_cores: float,
+    per_engine: bool,
+    batch_costs: tuple[float, ...] = (0.0,),
+) -> tuple[np.ndarray, np.ndarray]:
+    """(work of each call: float[batch costs, calls], work of each step: float[steps]).
+
+    A step's work is the integral of share = min(1, cores / demand) over it, demand =
+    (engines with a call decoding when `per_engine`, else calls decoding) + train_cores
+    while a step runs; a call's work, its work alone on its engine, the integral of
+    share / ((1 - batch_cost) + batch_cost * n) with n the calls on its engine (per
+    engine; else of share)."""
     c_start = np.array([c["start"] for c in calls])
     c_end = np.array([c["end"] for c in calls])
     engines = sorted({c["engine"] for c in calls})
@@ -218,29 +231,20 @@ def _shared_work(
     demand = decoding + train_cores * (active(s_start, s_end) > 0)
     share = np.where(demand > 0, np.minimum(1.0, cores / np.maximum(demand, 1e-12)), 1.0)
     dt = np.diff(edges)
-    integral = np.concatenate([[0.0], np.cumsum(share * dt)])
-    batched = np.concatenate(
-        [np.zeros((len(engines), 1)), np.cumsum(share * dt * batch, axis=1)], 1
-    )
-
-    def at(values, t):
-        return values[..., np.searchsorted(edges, t)]
-
-    call_work = at(integral, c_end) - at(integral, c_start)
-    call_batch = (
-        batched[engine, np.searchsorted(edges, c_end)]
-        - batched[engine, np.searchsorted(edges, c_start)]
-    ) / np.maximum(call_work, 1e-12)
-    return call_work, np.maximum(call_batch, 1.0), at(integral, s_end) - at(integral, s_start)
-
-
-def _call_design(tokens: np.ndarray, batch: np.ndarray, per_engine: bool) -> np.ndarray:
-    """Columns of a call's work: a constant (prefill) and tokens, each also times its
-    engine's batch when `per_engine` (a step's cost a + b * n, prefill included)."""
-    columns = [np.ones_like(tokens), tokens]
+    step_integral = np.concatenate([[0.0], np.cumsum(share * dt)])
+    step_at = np.searchsorted(edges, s_end), np.searchsorted(edges, s_start)
+    step_work = step_integral[step_at[0]] - step_integral[step_at[1]]
+    cost = np.array(batch_costs)[:, None, None]
     if per_engine:
-        columns += [batch, tokens * batch]
-    return np.stack(columns, axis=1)
+        rate = share / ((1 - cost) + cost * np.maximum(batch, 1)[None])  # [costs, engines, t]
+    else:
+        rate = np.broadcast_to(share, (len(batch_costs), len(engines), len(share)))
+    integral = np.concatenate(
+        [np.zeros((*rate.shape[:2], 1)), np.cumsum(rate * dt, axis=2)], axis=2
+    )
+    start_at, end_at = np.searchsorted(edges, c_start), np.searchsorted(edges, c_end)
+    call_work = integral[:, engine, end_at] - integral[:, engine, start_at]
+    return call_work, step_work
 
 
 def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]:
@@ -251,16 +255,34 @@ def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]
     return coef, float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
 
 
-def _compile_calls(calls: list[dict]) -> tuple[np.ndarray, dict[str, int]]:
-    """(bool per call: it waited for its engine's compilation, the engine's first call to
-    finish by engine): the calls that started before their engine's first call ended."""
-    first: dict[str, int] = {}
+def _compile_calls(calls: list[dict]) -> tuple[np.ndarray, list[tuple[int, float]]]:
+    """(bool per call: it waited for a compilation on its engine; (the call whose end
+    marks each compilation, the compilation's start)).
+
+    An engine compiles at its first decode of each turn (a call's index in its
+    execution), so its first call of that turn to finish there (not migrated) ends the
+    compilation, and every call on that engine running since that turn's first start
+    waited for it."""
+    first_start: dict[tuple[str, int], float] = {}
+    first_end: dict[tuple[str, int], int] = {}
     for i, c in enumerate(calls):
-        j = first.get(c["engine"])
-        if j is None or c["end"] < calls[j]["end"]:
-            first[c["engine"]] = i
-    waited = np.array([c["start"] < calls[first[c["engine"]]]["end"] for c in calls])
-    return waited, first
+        key = (c["engine"], c["turn"])
+        first_start[key] = min(first_start.get(key, np.inf), c["start"])
+        j = first_end.get(key)
+        if not c.get("moved") and (j is None or c["end"] < calls[j]["end"]):
+            first_end[key] = i
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for key, j in first_end.items():
+        windows.setdefault(key[0], []).append((first_start[key], calls[j]["end"]))
+    waited = np.array(
+        [
+            any(
+                c["start"] < end and c["end"] > start for start, end in windows.get(c["engine"], [])
+            )
+            for c in calls
+        ]
+    )
+    return waited, [(j, first_start[key]) for key, j in first_end.items()]
 
 
 def _classify_steps(steps: list[dict]) -> tuple[list[int], list[int]]:
@@ -282,42 +304,58 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     """The load model's parameters from a run's calls and steps (module docstring)."""
     tokens = np.array([c["tokens"] for c in calls], dtype=float)
     waited, first = _compile_calls(calls)
+    # Calls that waited for a compilation or moved between engines (their batch is two
+    # engines') are left out of the fit of a call's cost.
+    clean = ~waited & ~np.array([bool(c.get("moved")) for c in calls])
     steady_steps, new_width = _classify_steps(steps)
     step_tokens = np.array([steps[k]["tokens"] for k in steady_steps], dtype=float)
 
-    def evaluate(cores, train_cores, per_engine):
-        call_work, batch, step_work = _shared_work(calls, steps, cores, train_cores, per_engine)
-        design = _call_design(tokens, batch, per_engine)
-        coef, misfit = _log_lstsq(design[~waited], call_work[~waited])
+    design = np.stack([np.ones_like(tokens), tokens], axis=1)  # prefill + per token
+    step_design = np.stack([np.ones_like(step_tokens), step_tokens], axis=1)
+
+    def evaluate(cores, train_cores, per_engine, batch_costs):
+        """The best batch cost's (misfit, cores, train_cores, per_engine, batch_cost,
+        coef, call work, step work)."""
+        call_work, step_work = _shared_work(
+            calls, steps, cores, train_cores, per_engine, batch_costs
+        )
+        step_misfit = 0.0
         if len(step_tokens) >= 3:
-            step_design = _call_design(step_tokens, step_tokens, False)
-            misfit += _log_lstsq(step_design, step_work[steady_steps])[1]
-        return misfit, cores, train_cores, per_engine, coef, call_work, batch, step_work
+            step_misfit = _log_lstsq(step_design, step_work[steady_steps])[1]
+        best = None
+        for i, batch_cost in enumerate(batch_costs if per_engine else (0.0,)):
+            coef, misfit = _log_lstsq(design[clean], call_work[i][clean])
+            got = (misfit + step_misfit, cores, train_cores, per_engine, batch_cost, coef)
+            if best is None or got[0] < best[0] - 1e-12:
+                best = (*got, call_work[i], step_work)
+        return best
 
     best = None
     for per_engine in (False, True):
         for cores in CORES_GRID:
             for train_cores in TRAIN_CORES_GRID:
-                got = evaluate(cores, train_cores, per_engine)
+                got = evaluate(cores, train_cores, per_engine, BATCH_COST_GRID)
                 if best is None or got[0] < best[0] - 1e-12:
                     best = got
-    # Between grid points: a finer grid of cores around the best.
+    # Between grid points: finer grids of cores and of the batch cost around the best.
+    fine_costs = tuple(np.clip(best[4] + np.linspace(-0.05, 0.05, 21), 0.0, 1.0))
     for cores in np.geomspace(best[1] / 1.13, best[1] * 1.13, 25):
-        got = evaluate(float(cores), best[2], best[3])
+        got = evaluate(float(cores), best[2], best[3], fine_costs)
         if got[0] < best[0] - 1e-12:
             best = got
-    _, cores, train_cores, per_engine, coef, call_work, batch, step_work = best
-    predicted = _call_design(tokens, batch, per_engine) @ coef
-    alone = _call_design(tokens, np.ones_like(tokens), per_engine) @ coef  # alone on its engine
-    batch_cost = 0.0
-    if per_engine:  # b / (a + b) of a call of median tokens
-        median_tokens = float(np.median(tokens))
-        fixed, per_execution = coef[0] + coef[1] * median_tokens, coef[2] + coef[3] * median_tokens
-        batch_cost = per_execution / max(fixed + per_execution, 1e-12)
-    # Each call's work as if alone on its engine: measured, scaled by the batch's cost;
-    # a call that waited for its engine's compilation gets its modelled work instead.
-    normal = np.where(waited, alone, call_work * alone / np.maximum(predicted, 1e-12))
-    engine_compile = [max(0.0, call_work[i] - predicted[i]) for i in first.values()]
+    _, cores, train_cores, per_engine, batch_cost, coef, call_work, step_work = best
+    predicted = design @ coef  # a call's work alone on its engine
+    # Each call's work alone on its engine: measured; a call that waited for its
+    # engine's compilation gets its modelled work instead.
+    normal = np.where(waited, predicted, call_work)
+    # A compilation is wall time: its call's wall time less its decode at the call's share.
+    # (A turn's median over engines; the engines that never ran it are left out.)
+    engine_compile: dict[int, list[float]] = {}
+    for i, start in first:
+        wall = calls[i]["end"] - calls[i]["start"]
+        decode = predicted[i] * wall / max(call_work[i], 1e-12)
+        compile_s = max(0.0, calls[i]["end"] - start - decode)
+        engine_compile.setdefault(calls[i]["turn"], []).append(compile_s)
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
     for c, w in zip(calls, normal, strict=True):
         by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
@@ -352,7 +390,9 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         "decode_cores": cores,
         "train_cores": train_cores,
         "batch_cost": float(batch_cost),
-        "engine_compile_s": float(np.mean(engine_compile)) if engine_compile else 0.0,
+        "engine_compile_s": tuple(
+            float(np.median(engine_compile.get(k, [0.0]))) for k in range(turns)
+        ),
         "train_compile_s": float(np.mean(train_compile)) if train_compile else 0.0,
         "join_compile_s": float(np.mean(join_compile)) if join_compile else 0.0,
         "duration_median_s": median,
@@ -535,7 +575,7 @@ def write_run_logs(
                     "started_at": startup_s + start,
                     "finished_at": startup_s + end,
                     "output_len": max(1, round(work * TOKENS_PER_WORK_S)),
-                    "engines": [f"cell{engine}"],
+                    "engines": [f"cell{i}" for i in dict.fromkeys(engine)],
                 }
                 for i, (start, end, work, engine) in enumerate(parts)
             ]

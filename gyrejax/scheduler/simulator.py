@@ -144,8 +144,11 @@ class SimConfig:
         of an engine serving n executions costs (1 - batch_cost) + batch_cost * n of a
         one-execution step (b / (a + b) of the runtime's a + b * n); 0: every decoding
         execution is its own demand, as before.
-      engine_compile_s: load model: seconds of work an engine compiles before its first
-        decode (once per cell, when it first serves).
+      engine_compile_s: load model: per turn k, the wall seconds an engine compiles
+        before its first decode of turn k (contexts grow turn by turn and cross the
+        engine's length buckets, new shapes, at some turns; turns past the end: none);
+        the engine's decoding waits for it. Wall time, not shared work: XLA compiles on
+        about one thread (the real runs: one engine alone ~11 s, four at once 14-18 s).
       train_compile_s: load model: seconds of work added to the first step at each new
         trainer width after the first step (a new sharding compiles).
       join_compile_s: load model: seconds of work added to a running step when a cell
@@ -183,7 +186,7 @@ class SimConfig:
     tool_sigma: float = 0.0
     first_step_s: float = 0.0
     batch_cost: float = 0.0
-    engine_compile_s: float = 0.0
+    engine_compile_s: tuple[float, ...] = ()
     train_compile_s: float = 0.0
     join_compile_s: float = 0.0
     seed: int = 0
@@ -218,13 +221,14 @@ class SimConfig:
             "tool_median_s",
             "tool_sigma",
             "first_step_s",
-            "engine_compile_s",
             "train_compile_s",
             "join_compile_s",
         )
         for name in costs:
             if getattr(self, name) < 0:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 0")
+        if any(not t >= 0 for t in self.engine_compile_s):
+            raise ValueError(f"sim.engine_compile_s={self.engine_compile_s}, expected >= 0")
         if not 0 <= self.batch_cost <= 1:
             raise ValueError(f"sim.batch_cost={self.batch_cost}, expected in [0, 1]")
         if self.workload not in WORKLOADS:
@@ -594,13 +598,14 @@ class Simulator:
         self.phase = np.zeros(total, dtype=np.int64)
         self.left = self.remaining / config.turns
         self.phase_since = np.zeros(total)
-        # (execution, start, end, work, engine cell)
-        self.calls: list[tuple[int, float, float, float, int]] = []
+        # (execution, start, end, work, (engine cell at its start, at its end))
+        self.calls: list[tuple[int, float, float, float, tuple[int, int]]] = []
         # Load model, per engine: executions migrate between engines, each engine compiles
-        # before its first decode, the trainer compiles per new width and per first join.
+        # before its first decode of each turn, the trainer per new width and first join.
         self.engine = np.full(total, -1, dtype=np.int64)
+        self.call_engine = np.full(total, -1, dtype=np.int64)  # where its phase began
         self.compile_left = np.zeros(k)
-        self.engine_compiled = [False] * k
+        self.engine_compiled: set[tuple[int, int]] = set()  # (cell, turn)
         self.widths_seen: set[int] = set()
         self.joined_once = [False] * k
         self.join_log: list[tuple[int, int, float]] = []  # (step, cell, compile wall s)
@@ -743,7 +748,7 @@ class Simulator:
                     self._due = int(running[i])
             compiling = np.flatnonzero(self.compile_left > 0)
             if len(compiling):
-                when = self.now + float(self.compile_left[compiling].min()) / share
+                when = self.now + float(self.compile_left[compiling].min())
                 if when < best:
                     best, kind = when, "compile"
             return best, kind
@@ -785,8 +790,7 @@ class Simulator:
             rates = self._rates(running, share)
             self.left[running] = np.maximum(0.0, self.left[running] - dt * rates)
         if c.load_model:
-            self.compile_left = np.maximum(0.0, self.compile_left - dt * share)
-            self.compile_left[self.compile_left < 1e-12] = 0.0
+            self.compile_left = np.maximum(0.0, self.compile_left - dt)
         self.now = when
 
     def _share(self) -> float:
@@ -797,11 +801,15 @@ class Simulator:
             return 1.0
         running = np.array(self.running, dtype=np.int64)
         decoding = running[self.phase[running] % 2 == 0]
+        # A compiling engine holds a core (XLA compiles on about one thread) and its
+        # executions, waiting, still count: what the fit sees in the logs.
         if c.batch_cost > 0:  # one demand per engine decoding or compiling
-            busy = set(self.engine[decoding].tolist()) | set(np.flatnonzero(self.compile_left > 0))
-            demand = float(len(busy))
+            engines = set(self.engine[decoding].tolist()) | set(
+                np.flatnonzero(self.compile_left > 0).tolist()
+            )
+            demand = float(len(engines - {-1}))
         else:
-            demand = float(len(decoding)) + float(np.count_nonzero(self.compile_left > 0))
+            demand = float(len(decoding))
         if self.step_running and self.step_cells:
             demand += c.train_cores
         return min(1.0, c.decode_cores / demand) if demand > 0 else 1.0
@@ -833,14 +841,22 @@ class Simulator:
         )
         cell = min(serving, key=lambda i: (counts[i], i))
         self.engine[e] = cell
-        if not self.engine_compiled[cell]:
-            self.engine_compiled[cell] = True
-            self.compile_left[cell] = self.config.engine_compile_s
+
+    def _maybe_compile(self, e: int) -> None:
+        """Load model: an engine's first decode of a turn compiles (the turn's longer
+        contexts are a new shape); the engine's decoding waits for it. Asked when a
+        decode phase begins (an execution migrating mid-phase compiles nothing, so that
+        each compilation begins at a logged call's start, as the fit assumes)."""
+        cell, turn = int(self.engine[e]), int(self.phase[e] // 2)
+        if cell >= 0 and self.phase[e] % 2 == 0 and (cell, turn) not in self.engine_compiled:
+            self.engine_compiled.add((cell, turn))
+            costs = self.config.engine_compile_s
+            self.compile_left[cell] += costs[turn] if turn < len(costs) else 0.0
 
     def _finish_compile(self) -> None:
         """Load model: the engine whose compilation is due is ready."""
-        left = np.where(self.compile_left > 0, self.compile_left, np.inf)
-        self.compile_left[int(np.argmin(left))] = 0.0
+        # (_advance already brought it to about 0; others compiling go on)
+        self.compile_left[self.compile_left < 1e-9] = 0.0
 
     def _finish_phase(self) -> None:
         """Load model: the due execution ends a decode phase or a tool call."""
@@ -848,7 +864,8 @@ class Simulator:
         self._due = None
         if self.phase[e] % 2 == 0:
             work = self.trace.duration_s.reshape(-1)[e] / c.turns
-            self.calls.append((e, self.phase_since[e], self.now, work, int(self.engine[e])))
+            engines = (int(self.call_engine[e]), int(self.engine[e]))
+            self.calls.append((e, self.phase_since[e], self.now, work, engines))
         self.phase[e] += 1
         self.phase_since[e] = self.now
         if self.phase[e] >= 2 * c.turns - 1:
@@ -860,6 +877,8 @@ class Simulator:
             )
         else:
             self.left[e] = self.trace.duration_s.reshape(-1)[e] / c.turns
+            self.call_engine[e] = self.engine[e]
+            self._maybe_compile(e)
 
     # --- rollout ------------------------------------------------------------------------------
 
@@ -899,6 +918,9 @@ class Simulator:
             if self.config.load_model:
                 self._assign_engine(e)
             if not self.started_once[e]:
+                self.call_engine[e] = self.engine[e]
+                if self.config.load_model:
+                    self._maybe_compile(e)
                 self.phase_since[e] = self.now
                 self.started_once[e] = True
                 self.totals[1] += 1
