@@ -135,6 +135,7 @@ def test_load_fit_recovers_known_parameters_from_a_simulated_log(tmp_path):
 COMPILE_TRUTH = LOAD_TRUTH.replace(
     steps=16,
     decode_cores=2.5,
+    per_engine=True,
     batch_cost=0.3,
     engine_compile_s=(6.0, 0.0, 3.0),
     train_compile_s=2.0,

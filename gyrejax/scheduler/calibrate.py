@@ -87,6 +87,7 @@ class Fit:
             "tool_median_s": s.tool_median_s,
             "tool_sigma": s.tool_sigma,
             "first_step_s": s.first_step_s,
+            "per_engine": s.per_engine,
             "batch_cost": s.batch_cost,
             "engine_compile_s": s.engine_compile_s,
             "train_compile_s": s.train_compile_s,
@@ -307,6 +308,11 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     # Calls that waited for a compilation or moved between engines (their batch is two
     # engines') are left out of the fit of a call's cost.
     clean = ~waited & ~np.array([bool(c.get("moved")) for c in calls])
+    # Engines warm up over the first minute (shapes compile at more than the turns
+    # modelled): the calls that start after the first step are the steady state.
+    warm = np.array([c["start"] >= float(steps[0]["time_s"]) for c in calls])
+    if np.count_nonzero(clean & warm) >= 50:
+        clean &= warm
     steady_steps, new_width = _classify_steps(steps)
     step_tokens = np.array([steps[k]["tokens"] for k in steady_steps], dtype=float)
 
@@ -366,7 +372,10 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         work.append(sum(w for *_, w in parts))
         # The time between its calls, spread over the model's turns - 1 tool calls.
         gaps.append(sum(b[0] - a[1] for a, b in itertools.pairwise(parts)) / max(turns - 1, 1))
-    median, sigma = _lognormal(np.array(work))
+    # The executions that start after the first step: the steady state (as `clean`).
+    first_end = float(steps[0]["time_s"])
+    steady = [w for w, p in zip(work, by_execution.values(), strict=True) if p[0][0] >= first_end]
+    median, sigma = _lognormal(np.array(steady if len(steady) >= 20 else work))
     tool_median, tool_sigma = _lognormal(np.array(gaps)) if turns > 1 else (0.0, 0.0)
     deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work, strict=True)]
     fitted_steps = [deloaded[k] for k in steady_steps] or deloaded[1:] or deloaded
@@ -389,6 +398,7 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     return {
         "decode_cores": cores,
         "train_cores": train_cores,
+        "per_engine": bool(per_engine),
         "batch_cost": float(batch_cost),
         "engine_compile_s": tuple(
             float(np.median(engine_compile.get(k, [0.0]))) for k in range(turns)

@@ -140,15 +140,18 @@ class SimConfig:
       tool_median_s, tool_sigma: load model: lognormal wall time of one tool call
         (median 0: none).
       first_step_s: extra seconds of work of the first step (compilation).
-      batch_cost: load model: > 0 batches per engine (module docstring): a decode step
-        of an engine serving n executions costs (1 - batch_cost) + batch_cost * n of a
-        one-execution step (b / (a + b) of the runtime's a + b * n); 0: every decoding
-        execution is its own demand, as before.
+      per_engine: load model: one demand per engine with executions decoding (an
+        engine's batched decode step), not one per decoding execution; its executions
+        then progress at share / ((1 - batch_cost) + batch_cost * n) for n on it.
+      batch_cost: load model with per_engine: a decode step of an engine serving n
+        executions costs (1 - batch_cost) + batch_cost * n of a one-execution step
+        (b / (a + b) of the runtime's a + b * n).
       engine_compile_s: load model: per turn k, the wall seconds an engine compiles
         before its first decode of turn k (contexts grow turn by turn and cross the
         engine's length buckets, new shapes, at some turns; turns past the end: none);
         the engine's decoding waits for it. Wall time, not shared work: XLA compiles on
-        about one thread (the real runs: one engine alone ~11 s, four at once 14-18 s).
+        about one thread (the real runs: one engine alone ~11 s, four at once 14-18 s);
+        a compiling engine still counts as one demand (per_engine).
       train_compile_s: load model: seconds of work added to the first step at each new
         trainer width after the first step (a new sharding compiles).
       join_compile_s: load model: seconds of work added to a running step when a cell
@@ -185,6 +188,7 @@ class SimConfig:
     tool_median_s: float = 0.0
     tool_sigma: float = 0.0
     first_step_s: float = 0.0
+    per_engine: bool = False
     batch_cost: float = 0.0
     engine_compile_s: tuple[float, ...] = ()
     train_compile_s: float = 0.0
@@ -803,7 +807,7 @@ class Simulator:
         decoding = running[self.phase[running] % 2 == 0]
         # A compiling engine holds a core (XLA compiles on about one thread) and its
         # executions, waiting, still count: what the fit sees in the logs.
-        if c.batch_cost > 0:  # one demand per engine decoding or compiling
+        if c.per_engine:  # one demand per engine decoding or compiling
             engines = set(self.engine[decoding].tolist()) | set(
                 np.flatnonzero(self.compile_left > 0).tolist()
             )
@@ -821,7 +825,7 @@ class Simulator:
         engine = self.engine[running]
         decoding = self.phase[running] % 2 == 0
         rates = np.where(decoding, share, 1.0)
-        if c.batch_cost > 0:
+        if c.per_engine:
             batch = np.bincount(engine[decoding & (engine >= 0)], minlength=c.cells)
             cost = (1 - c.batch_cost) + c.batch_cost * np.maximum(batch[np.maximum(engine, 0)], 1)
             rates = np.where(decoding, share / cost, 1.0)
