@@ -184,6 +184,7 @@ def read_calls(workdir: Path) -> list[dict]:
         {
             "execution": h["execution_id"],
             "turn": turn,
+            "shape": _shape(turn, c.get("prompt_len")),
             "start": c["started_at"] - offset,
             "end": c["finished_at"] - offset,
             "tokens": c["output_len"],
@@ -256,18 +257,29 @@ def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]
     return coef, float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
 
 
+SHAPE_MIN_LOG2 = 7  # the engines' smallest context bucket, 128 tokens
+
+
+def _shape(turn: int, prompt_len: int | None) -> int:
+    """The shape an engine compiles a call for: its context's power-of-two bucket (the
+    real runs' engines compile when a prompt first crosses 128, 256, ... tokens); a log
+    without prompt lengths (simulated): its turn."""
+    if prompt_len is None:
+        return turn
+    return max(SHAPE_MIN_LOG2, int(np.ceil(np.log2(max(prompt_len, 1)))))
+
+
 def _compile_calls(calls: list[dict]) -> tuple[np.ndarray, list[tuple[int, float]]]:
     """(bool per call: it waited for a compilation on its engine; (the call whose end
     marks each compilation, the compilation's start)).
 
-    An engine compiles at its first decode of each turn (a call's index in its
-    execution), so its first call of that turn to finish there (not migrated) ends the
-    compilation, and every call on that engine running since that turn's first start
-    waited for it."""
+    An engine compiles at its first call of each shape (`_shape`), so its first call of
+    that shape to finish there (not migrated) ends the compilation, and every call on
+    that engine running since that shape's first start waited for it."""
     first_start: dict[tuple[str, int], float] = {}
     first_end: dict[tuple[str, int], int] = {}
     for i, c in enumerate(calls):
-        key = (c["engine"], c["turn"])
+        key = (c["engine"], c["shape"])
         first_start[key] = min(first_start.get(key, np.inf), c["start"])
         j = first_end.get(key)
         if not c.get("moved") and (j is None or c["end"] < calls[j]["end"]):
@@ -299,6 +311,32 @@ def _classify_steps(steps: list[dict]) -> tuple[list[int], list[int]]:
             steady.append(k)
         seen.add(width)
     return steady, new_width
+
+
+def _compile_by_turn(
+    calls: list[dict], by_shape: dict[int, list[float]], turns: int
+) -> tuple[float, ...]:
+    """The simulator's compile seconds per turn: turn k reaches the median shape of the
+    calls at turn k, and compiles (the median over engines of) every shape past the
+    previous turn's. Shapes past the last modelled turn's (reached by the few executions
+    with more calls than `turns`) are left out: the simulator's executions never get
+    there."""
+    compile_s = {shape: float(np.median(v)) for shape, v in by_shape.items()}
+    reached, out = None, []  # the largest shape reached so far
+    for k in range(turns):
+        shapes = [c["shape"] for c in calls if c["turn"] == k]
+        top = int(np.median(shapes)) if shapes else reached
+        out.append(
+            float(
+                sum(
+                    v
+                    for shape, v in compile_s.items()
+                    if (reached is None or shape > reached) and shape <= top
+                )
+            )
+        )
+        reached = top if reached is None else max(reached, top)
+    return tuple(out)
 
 
 def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
@@ -356,12 +394,12 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     normal = np.where(waited, predicted, call_work)
     # A compilation is wall time: its call's wall time less its decode at the call's share.
     # (A turn's median over engines; the engines that never ran it are left out.)
-    engine_compile: dict[int, list[float]] = {}
+    by_shape: dict[int, list[float]] = {}
     for i, start in first:
         wall = calls[i]["end"] - calls[i]["start"]
         decode = predicted[i] * wall / max(call_work[i], 1e-12)
         compile_s = max(0.0, calls[i]["end"] - start - decode)
-        engine_compile.setdefault(calls[i]["turn"], []).append(compile_s)
+        by_shape.setdefault(calls[i]["shape"], []).append(compile_s)
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
     for c, w in zip(calls, normal, strict=True):
         by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
@@ -400,9 +438,7 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         "train_cores": train_cores,
         "per_engine": bool(per_engine),
         "batch_cost": float(batch_cost),
-        "engine_compile_s": tuple(
-            float(np.median(engine_compile.get(k, [0.0]))) for k in range(turns)
-        ),
+        "engine_compile_s": _compile_by_turn(calls, by_shape, turns),
         "train_compile_s": float(np.mean(train_compile)) if train_compile else 0.0,
         "join_compile_s": float(np.mean(join_compile)) if join_compile else 0.0,
         "duration_median_s": median,
