@@ -15,16 +15,31 @@ fits the simulator's model (gyrejax/scheduler/simulator.py):
     (checkpoint, plots), added to a predicted makespan.
 With `load=True` (`fit_run(workdir, load=True)`) it fits the simulator's load-dependent
 model instead (`SimConfig.decode_cores`, gyrejax/scheduler/simulator.py), from the model
-calls in the execution records (`executions/*.gxr` headers: each call's start, end and
-tokens) and the steps' times:
+calls in the execution records (`executions/*.gxr` headers: each call's start, end,
+tokens, prompt length and engines) and the steps' times:
   * every instant has n calls decoding and maybe a step running; for candidate cores C and
     step demand T every call's decode work is the integral of min(1, C / (n + T)) over
     it, and every step's work likewise. (C, T) is the grid point whose works are best
     explained by their tokens (a call: a + b * output tokens; a step: overhead + b *
-    tokens, the first step left out): least squares on the log of the works;
-  * an execution's decode work (the sum over its calls) is the lognormal of durations,
-    `turns` its mean number of calls, the gaps between its calls the tool calls'
-    lognormal, and the first step's work beyond the fit `first_step_s` (compilation).
+    tokens, steps with compiles left out): least squares on the log of the works.
+    With `per_engine` the demand counts engines with a call decoding, and a call's work
+    alone on its engine is the integral of share / ((1 - beta) + beta * n), n the calls
+    on its engine; (C, T, per_engine, beta = `batch_cost`) is the grid point whose
+    works are best explained by their tokens (a call: prefill + per-token cost). Calls
+    that waited for a compilation or moved between engines, and (when there are 50)
+    calls before the first step ended (engines still compiling new shapes), are left
+    out of that fit;
+  * compilation: an engine compiles at its first call of each context bucket (128,
+    256, ... prompt tokens; a simulated log: each turn): the wall time from the
+    bucket's first call start on that engine to its first call end there, less that
+    call's modelled decode, its median over engines mapped onto the turn whose median
+    call first reaches the bucket (`engine_compile_s`); a cell's first join, its
+    logged joins[].compile_s at the step's mean share (`join_compile_s`); a step at a
+    new trainer width, its work beyond the step fit less its joins' (`train_compile_s`);
+    the first step's work beyond the fit less its joins' (`first_step_s`);
+  * an execution's decode work (the sum over its calls, those starting after the
+    first step when there are 20) is the lognormal of durations, `turns` its mean
+    number of calls, the gaps between its calls the tool calls' lognormal.
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model and
 returns its predicted wall time. `write_run_logs` writes a simulated run's logs in the
 runtime's format, so a test can check that fitting recovers known parameters.

@@ -66,7 +66,17 @@ executions decoding and a step running (a demand of `train_cores` cores), every 
 them progresses at min(1, decode_cores / (n + train_cores)) of its full speed, recomputed
 whenever the active set changes. Hence one execution at a time, no tool calls and no
 step gives the old durations exactly. `first_step_s` (both models) is extra work of the
-first step (compilation).
+first step (compilation). Also in the load model, the runtime's other costs:
+  * `per_engine`: executions run on a serving cell's engine (the least loaded when they
+    start; a draining cell's move to the others); demand counts engines, not
+    executions (an engine's decode step is one batched computation), and an execution
+    on an engine serving n progresses at share / ((1 - batch_cost) + batch_cost * n):
+    a step costs a + b * n, so how executions spread over rollout cells matters;
+  * compilation: an engine's first decode of turn k waits `engine_compile_s[k]` wall
+    seconds (XLA compiles on about one thread; the engine still counts as one demand);
+    the trainer's first step adds `first_step_s` of work, a step at a trainer width not
+    seen before `train_compile_s`, a cell joining training for the first time
+    `join_compile_s` (work, so it competes for the cores).
 
 Bounds: `lower_bound_s` is the work over the cells; `makespan_bound_s` also accounts for
 the staleness gate's critical path and the pipeline fill, and holds for any publication
