@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from gyrejax.scheduler import calibrate
@@ -128,3 +129,31 @@ def test_load_fit_recovers_known_parameters_from_a_simulated_log(tmp_path):
     # Sampled quantities: within sampling error of a few hundred executions.
     assert fit.duration_median_s == pytest.approx(LOAD_TRUTH.duration_median_s, rel=0.15)
     assert fit.tool_median_s == pytest.approx(LOAD_TRUTH.tool_median_s, rel=0.15)
+
+
+# Compilation and per-engine batching (the load model's runtime costs).
+COMPILE_TRUTH = LOAD_TRUTH.replace(
+    steps=16,
+    decode_cores=2.5,
+    per_engine=True,
+    batch_cost=0.3,
+    engine_compile_s=(6.0, 0.0, 3.0),
+    train_compile_s=2.0,
+    join_compile_s=3.0,
+)
+
+
+def test_load_fit_recovers_compilation_and_batching_from_a_simulated_log(tmp_path):
+    result = simulate(COMPILE_TRUTH, "elastic")
+    calibrate.write_run_logs(COMPILE_TRUTH, result, "elastic", tmp_path, startup_s=3.0)
+    # The run exercises every cost: a join's compile and a step at a new width.
+    joins = result.log["join_compiles"]
+    assert joins and len({k for *_, k in result.log["steps"]}) > 1
+    fit = calibrate.fit_run(tmp_path, load=True).sim
+    for name in ("decode_cores", "train_cores", "batch_cost"):
+        assert getattr(fit, name) == pytest.approx(getattr(COMPILE_TRUTH, name), rel=0.05), name
+    for name in ("train_compile_s", "join_compile_s", "first_step_s"):
+        got, want = getattr(fit, name), getattr(COMPILE_TRUTH, name)
+        assert got == pytest.approx(want, rel=0.05), (name, got, want)
+    # The engines compile at turns 0 and 2 (wall seconds), not at turn 1.
+    np.testing.assert_allclose(fit.engine_compile_s, COMPILE_TRUTH.engine_compile_s, atol=0.3)

@@ -15,16 +15,31 @@ fits the simulator's model (gyrejax/scheduler/simulator.py):
     (checkpoint, plots), added to a predicted makespan.
 With `load=True` (`fit_run(workdir, load=True)`) it fits the simulator's load-dependent
 model instead (`SimConfig.decode_cores`, gyrejax/scheduler/simulator.py), from the model
-calls in the execution records (`executions/*.gxr` headers: each call's start, end and
-tokens) and the steps' times:
+calls in the execution records (`executions/*.gxr` headers: each call's start, end,
+tokens, prompt length and engines) and the steps' times:
   * every instant has n calls decoding and maybe a step running; for candidate cores C and
     step demand T every call's decode work is the integral of min(1, C / (n + T)) over
     it, and every step's work likewise. (C, T) is the grid point whose works are best
     explained by their tokens (a call: a + b * output tokens; a step: overhead + b *
-    tokens, the first step left out): least squares on the log of the works;
-  * an execution's decode work (the sum over its calls) is the lognormal of durations,
-    `turns` its mean number of calls, the gaps between its calls the tool calls'
-    lognormal, and the first step's work beyond the fit `first_step_s` (compilation).
+    tokens, steps with compiles left out): least squares on the log of the works.
+    With `per_engine` the demand counts engines with a call decoding, and a call's work
+    alone on its engine is the integral of share / ((1 - beta) + beta * n), n the calls
+    on its engine; (C, T, per_engine, beta = `batch_cost`) is the grid point whose
+    works are best explained by their tokens (a call: prefill + per-token cost). Calls
+    that waited for a compilation or moved between engines, and (when there are 50)
+    calls before the first step ended (engines still compiling new shapes), are left
+    out of that fit;
+  * compilation: an engine compiles at its first call of each context bucket (128,
+    256, ... prompt tokens; a simulated log: each turn): the wall time from the
+    bucket's first call start on that engine to its first call end there, less that
+    call's modelled decode, its median over engines mapped onto the turn whose median
+    call first reaches the bucket (`engine_compile_s`); a cell's first join, its
+    logged joins[].compile_s at the step's mean share (`join_compile_s`); a step at a
+    new trainer width, its work beyond the step fit less its joins' (`train_compile_s`);
+    the first step's work beyond the fit less its joins' (`first_step_s`);
+  * an execution's decode work (the sum over its calls, those starting after the
+    first step when there are 20) is the lognormal of durations, `turns` its mean
+    number of calls, the gaps between its calls the tool calls' lognormal.
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model and
 returns its predicted wall time. `write_run_logs` writes a simulated run's logs in the
 runtime's format, so a test can check that fitting recovers known parameters.
@@ -87,6 +102,11 @@ class Fit:
             "tool_median_s": s.tool_median_s,
             "tool_sigma": s.tool_sigma,
             "first_step_s": s.first_step_s,
+            "per_engine": s.per_engine,
+            "batch_cost": s.batch_cost,
+            "engine_compile_s": s.engine_compile_s,
+            "train_compile_s": s.train_compile_s,
+            "join_compile_s": s.join_compile_s,
             "to_training_s": s.to_training_s,
             "to_rollout_s": s.to_rollout_s,
             "startup_s": self.startup_s,
@@ -178,70 +198,225 @@ def read_calls(workdir: Path) -> list[dict]:
     return [
         {
             "execution": h["execution_id"],
+            "turn": turn,
+            "shape": _shape(turn, c.get("prompt_len")),
             "start": c["started_at"] - offset,
             "end": c["finished_at"] - offset,
             "tokens": c["output_len"],
+            "engine": (c.get("engines") or ["engine"])[0],
+            "moved": len(c.get("engines") or []) > 1,  # migrated to another engine
         }
         for h in headers
-        for c in h.get("calls", [])
+        for turn, c in enumerate(sorted(h.get("calls", []), key=lambda c: c["started_at"]))
     ]
 
 
+BATCH_COST_GRID = tuple(np.round(np.linspace(0.0, 1.0, 21), 3))
+
+
 def _shared_work(
-    calls: list[dict], steps: list[dict], cores: float, train_cores: float
+    calls: list[dict],
+    steps: list[dict],
+    cores: float,
+    train_cores: float,
+    per_engine: bool,
+    batch_costs: tuple[float, ...] = (0.0,),
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(work of each call, work of each step): the integral of min(1, cores / demand)
-    over it, demand = calls decoding + train_cores while a step runs."""
+    """(work of each call: float[batch costs, calls], work of each step: float[steps]).
+
+    A step's work is the integral of share = min(1, cores / demand) over it, demand =
+    (engines with a call decoding when `per_engine`, else calls decoding) + train_cores
+    while a step runs; a call's work, its work alone on its engine, the integral of
+    share / ((1 - batch_cost) + batch_cost * n) with n the calls on its engine (per
+    engine; else of share)."""
     c_start = np.array([c["start"] for c in calls])
     c_end = np.array([c["end"] for c in calls])
+    engines = sorted({c["engine"] for c in calls})
+    engine = np.array([engines.index(c["engine"]) for c in calls])
     s_end = np.array([s["time_s"] for s in steps], dtype=float)
     s_start = s_end - np.array([s["step_s"] for s in steps], dtype=float)
     edges = np.unique(np.concatenate([c_start, c_end, s_start, s_end]))
     mid = (edges[:-1] + edges[1:]) / 2
-    decoding = np.searchsorted(np.sort(c_start), mid) - np.searchsorted(np.sort(c_end), mid)
-    training = np.searchsorted(np.sort(s_start), mid) - np.searchsorted(np.sort(s_end), mid)
-    demand = decoding + train_cores * (training > 0)
+
+    def active(start, end):
+        return np.searchsorted(np.sort(start), mid) - np.searchsorted(np.sort(end), mid)
+
+    batch = np.stack(
+        [active(c_start[engine == i], c_end[engine == i]) for i in range(len(engines))]
+    )
+    decoding = (batch > 0).sum(axis=0) if per_engine else batch.sum(axis=0)
+    demand = decoding + train_cores * (active(s_start, s_end) > 0)
     share = np.where(demand > 0, np.minimum(1.0, cores / np.maximum(demand, 1e-12)), 1.0)
-    integral = np.concatenate([[0.0], np.cumsum(share * np.diff(edges))])
+    dt = np.diff(edges)
+    step_integral = np.concatenate([[0.0], np.cumsum(share * dt)])
+    step_at = np.searchsorted(edges, s_end), np.searchsorted(edges, s_start)
+    step_work = step_integral[step_at[0]] - step_integral[step_at[1]]
+    cost = np.array(batch_costs)[:, None, None]
+    if per_engine:
+        rate = share / ((1 - cost) + cost * np.maximum(batch, 1)[None])  # [costs, engines, t]
+    else:
+        rate = np.broadcast_to(share, (len(batch_costs), len(engines), len(share)))
+    integral = np.concatenate(
+        [np.zeros((*rate.shape[:2], 1)), np.cumsum(rate * dt, axis=2)], axis=2
+    )
+    start_at, end_at = np.searchsorted(edges, c_start), np.searchsorted(edges, c_end)
+    call_work = integral[:, engine, end_at] - integral[:, engine, start_at]
+    return call_work, step_work
 
-    def work(start, end):
-        return integral[np.searchsorted(edges, end)] - integral[np.searchsorted(edges, start)]
 
-    return work(c_start, c_end), work(s_start, s_end)
-
-
-def _log_misfit(work: np.ndarray, tokens: np.ndarray) -> float:
-    """Mean squared log error of work ~ a + b * tokens (least squares, a, b >= 0)."""
-    design = np.stack([tokens, np.ones_like(tokens)], axis=1)
+def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]:
+    """(coefficients >= 0, mean squared log error) of work ~ design @ coefficients."""
     coef, *_ = np.linalg.lstsq(design, work, rcond=None)
-    predicted = np.maximum(design @ np.maximum(coef, 0.0), 1e-9)
-    return float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
+    coef = np.maximum(coef, 0.0)
+    predicted = np.maximum(design @ coef, 1e-9)
+    return coef, float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
+
+
+SHAPE_MIN_LOG2 = 7  # the engines' smallest context bucket, 128 tokens
+
+
+def _shape(turn: int, prompt_len: int | None) -> int:
+    """The shape an engine compiles a call for: its context's power-of-two bucket (the
+    real runs' engines compile when a prompt first crosses 128, 256, ... tokens); a log
+    without prompt lengths (simulated): its turn."""
+    if prompt_len is None:
+        return turn
+    return max(SHAPE_MIN_LOG2, int(np.ceil(np.log2(max(prompt_len, 1)))))
+
+
+def _compile_calls(calls: list[dict]) -> tuple[np.ndarray, list[tuple[int, float]]]:
+    """(bool per call: it waited for a compilation on its engine; (the call whose end
+    marks each compilation, the compilation's start)).
+
+    An engine compiles at its first call of each shape (`_shape`), so its first call of
+    that shape to finish there (not migrated) ends the compilation, and every call on
+    that engine running since that shape's first start waited for it."""
+    first_start: dict[tuple[str, int], float] = {}
+    first_end: dict[tuple[str, int], int] = {}
+    for i, c in enumerate(calls):
+        key = (c["engine"], c["shape"])
+        first_start[key] = min(first_start.get(key, np.inf), c["start"])
+        j = first_end.get(key)
+        if not c.get("moved") and (j is None or c["end"] < calls[j]["end"]):
+            first_end[key] = i
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for key, j in first_end.items():
+        windows.setdefault(key[0], []).append((first_start[key], calls[j]["end"]))
+    waited = np.array(
+        [
+            any(
+                c["start"] < end and c["end"] > start for start, end in windows.get(c["engine"], [])
+            )
+            for c in calls
+        ]
+    )
+    return waited, [(j, first_start[key]) for key, j in first_end.items()]
+
+
+def _classify_steps(steps: list[dict]) -> tuple[list[int], list[int]]:
+    """(steady steps, steps at a new trainer width) among steps[1:] (index into steps);
+    a step where a cell compiled to join is not steady."""
+    seen = {len(steps[0]["cells"])}
+    steady, new_width = [], []
+    for k in range(1, len(steps)):
+        width = len(steps[k]["cells"])
+        if width not in seen:
+            new_width.append(k)
+        elif not any((j.get("compile_s") or 0) > 0 for j in steps[k].get("joins", [])):
+            steady.append(k)
+        seen.add(width)
+    return steady, new_width
+
+
+def _compile_by_turn(
+    calls: list[dict], by_shape: dict[int, list[float]], turns: int
+) -> tuple[float, ...]:
+    """The simulator's compile seconds per turn: turn k reaches the median shape of the
+    calls at turn k, and compiles (the median over engines of) every shape past the
+    previous turn's. Shapes past the last modelled turn's (reached by the few executions
+    with more calls than `turns`) are left out: the simulator's executions never get
+    there."""
+    compile_s = {shape: float(np.median(v)) for shape, v in by_shape.items()}
+    reached, out = None, []  # the largest shape reached so far
+    for k in range(turns):
+        shapes = [c["shape"] for c in calls if c["turn"] == k]
+        top = int(np.median(shapes)) if shapes else reached
+        out.append(
+            float(
+                sum(
+                    v
+                    for shape, v in compile_s.items()
+                    if (reached is None or shape > reached) and shape <= top
+                )
+            )
+        )
+        reached = top if reached is None else max(reached, top)
+    return tuple(out)
 
 
 def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     """The load model's parameters from a run's calls and steps (module docstring)."""
     tokens = np.array([c["tokens"] for c in calls], dtype=float)
-    step_tokens = np.array([s["tokens"] for s in steps[1:]], dtype=float)
-    best = None
-    for cores in CORES_GRID:
-        for train_cores in TRAIN_CORES_GRID:
-            call_work, step_work = _shared_work(calls, steps, cores, train_cores)
-            misfit = _log_misfit(call_work, tokens)
-            if len(step_tokens) >= 3:
-                misfit += _log_misfit(step_work[1:], step_tokens)
-            if best is None or misfit < best[0] - 1e-12:
-                best = (misfit, cores, train_cores, call_work, step_work)
-    # Between grid points: a finer grid of cores around the best.
-    for cores in np.geomspace(best[1] / 1.13, best[1] * 1.13, 25):
-        call_work, step_work = _shared_work(calls, steps, float(cores), best[2])
-        misfit = _log_misfit(call_work, tokens)
+    waited, first = _compile_calls(calls)
+    # Calls that waited for a compilation or moved between engines (their batch is two
+    # engines') are left out of the fit of a call's cost.
+    clean = ~waited & ~np.array([bool(c.get("moved")) for c in calls])
+    # Engines warm up over the first minute (shapes compile at more than the turns
+    # modelled): the calls that start after the first step are the steady state.
+    warm = np.array([c["start"] >= float(steps[0]["time_s"]) for c in calls])
+    if np.count_nonzero(clean & warm) >= 50:
+        clean &= warm
+    steady_steps, new_width = _classify_steps(steps)
+    step_tokens = np.array([steps[k]["tokens"] for k in steady_steps], dtype=float)
+
+    design = np.stack([np.ones_like(tokens), tokens], axis=1)  # prefill + per token
+    step_design = np.stack([np.ones_like(step_tokens), step_tokens], axis=1)
+
+    def evaluate(cores, train_cores, per_engine, batch_costs):
+        """The best batch cost's (misfit, cores, train_cores, per_engine, batch_cost,
+        coef, call work, step work)."""
+        call_work, step_work = _shared_work(
+            calls, steps, cores, train_cores, per_engine, batch_costs
+        )
+        step_misfit = 0.0
         if len(step_tokens) >= 3:
-            misfit += _log_misfit(step_work[1:], step_tokens)
-        if misfit < best[0] - 1e-12:
-            best = (misfit, float(cores), best[2], call_work, step_work)
-    _, cores, train_cores, call_work, step_work = best
+            step_misfit = _log_lstsq(step_design, step_work[steady_steps])[1]
+        best = None
+        for i, batch_cost in enumerate(batch_costs if per_engine else (0.0,)):
+            coef, misfit = _log_lstsq(design[clean], call_work[i][clean])
+            got = (misfit + step_misfit, cores, train_cores, per_engine, batch_cost, coef)
+            if best is None or got[0] < best[0] - 1e-12:
+                best = (*got, call_work[i], step_work)
+        return best
+
+    best = None
+    for per_engine in (False, True):
+        for cores in CORES_GRID:
+            for train_cores in TRAIN_CORES_GRID:
+                got = evaluate(cores, train_cores, per_engine, BATCH_COST_GRID)
+                if best is None or got[0] < best[0] - 1e-12:
+                    best = got
+    # Between grid points: finer grids of cores and of the batch cost around the best.
+    fine_costs = tuple(np.clip(best[4] + np.linspace(-0.05, 0.05, 21), 0.0, 1.0))
+    for cores in np.geomspace(best[1] / 1.13, best[1] * 1.13, 25):
+        got = evaluate(float(cores), best[2], best[3], fine_costs)
+        if got[0] < best[0] - 1e-12:
+            best = got
+    _, cores, train_cores, per_engine, batch_cost, coef, call_work, step_work = best
+    predicted = design @ coef  # a call's work alone on its engine
+    # Each call's work alone on its engine: measured; a call that waited for its
+    # engine's compilation gets its modelled work instead.
+    normal = np.where(waited, predicted, call_work)
+    # A compilation is wall time: its call's wall time less its decode at the call's share.
+    # (A turn's median over engines; the engines that never ran it are left out.)
+    by_shape: dict[int, list[float]] = {}
+    for i, start in first:
+        wall = calls[i]["end"] - calls[i]["start"]
+        decode = predicted[i] * wall / max(call_work[i], 1e-12)
+        compile_s = max(0.0, calls[i]["end"] - start - decode)
+        by_shape.setdefault(calls[i]["shape"], []).append(compile_s)
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
-    for c, w in zip(calls, call_work, strict=True):
+    for c, w in zip(calls, normal, strict=True):
         by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
     turns = max(1, round(len(calls) / len(by_execution)))
     work, gaps = [], []
@@ -250,30 +425,46 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         work.append(sum(w for *_, w in parts))
         # The time between its calls, spread over the model's turns - 1 tool calls.
         gaps.append(sum(b[0] - a[1] for a, b in itertools.pairwise(parts)) / max(turns - 1, 1))
-    # Executions that start after the first step ended miss the engines' compilation.
+    # The executions that start after the first step: the steady state (as `clean`).
     first_end = float(steps[0]["time_s"])
-    steady = [
-        w for w, parts in zip(work, by_execution.values(), strict=True) if parts[0][0] >= first_end
-    ]
+    steady = [w for w, p in zip(work, by_execution.values(), strict=True) if p[0][0] >= first_end]
     median, sigma = _lognormal(np.array(steady if len(steady) >= 20 else work))
     tool_median, tool_sigma = _lognormal(np.array(gaps)) if turns > 1 else (0.0, 0.0)
     deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work, strict=True)]
-    per_token, overhead, parallel, residual = _fit_steps(deloaded[1:] or deloaded)
-    first = deloaded[0]
-    first_width = len(first["cells"]) if parallel else 1
-    first_extra = first["step_s"] - overhead - per_token * first["tokens"] / first_width
+    fitted_steps = [deloaded[k] for k in steady_steps] or deloaded[1:] or deloaded
+    per_token_s, overhead, parallel, residual = _fit_steps(fitted_steps)
+
+    def extra(k: int) -> float:  # step k's work beyond the steady fit
+        s = deloaded[k]
+        width = len(s["cells"]) if parallel else 1
+        return s["step_s"] - overhead - per_token_s * s["tokens"] / width
+
+    # A join's compile, logged in wall seconds, is work at the step's mean share.
+    join_compile, join_work = [], np.zeros(len(steps))
+    for k, s in enumerate(steps):
+        mean_share = step_work[k] / max(s["step_s"], 1e-12)
+        for j in s.get("joins", []):
+            if (j.get("compile_s") or 0) > 0:
+                join_compile.append(j["compile_s"] * mean_share)
+                join_work[k] += j["compile_s"] * mean_share
+    train_compile = [max(0.0, extra(k) - join_work[k]) for k in new_width]
     return {
         "decode_cores": cores,
         "train_cores": train_cores,
+        "per_engine": bool(per_engine),
+        "batch_cost": float(batch_cost),
+        "engine_compile_s": _compile_by_turn(calls, by_shape, turns),
+        "train_compile_s": float(np.mean(train_compile)) if train_compile else 0.0,
+        "join_compile_s": float(np.mean(join_compile)) if join_compile else 0.0,
         "duration_median_s": median,
         "duration_sigma": sigma,
         "turns": turns,
         "tool_median_s": tool_median if turns > 1 else 0.0,
         "tool_sigma": tool_sigma if turns > 1 else 0.0,
-        "train_s_per_token": per_token,
+        "train_s_per_token": per_token_s,
         "step_overhead_s": overhead,
         "train_parallel": bool(parallel),
-        "first_step_s": max(0.0, float(first_extra)),
+        "first_step_s": max(0.0, float(extra(0) - join_work[0])),
         "residual": residual,
         "identified": parallel is not None,
     }
@@ -386,8 +577,12 @@ def write_run_logs(
                 + "\n"
             )
     with open(workdir / "metrics.jsonl", "w") as f:
+        compiles: dict[int, list] = {}
+        for step, cell, wall in log.get("join_compiles", []):
+            compiles.setdefault(step, []).append({"cell": cell, "compile_s": wall})
         for step, (start, end, tokens, cells, at_start) in enumerate(log["steps"], start=1):
-            joins = [{"cell": i} for i in range(cells - at_start)]  # joined mid-step
+            joins = compiles.get(step, [])
+            joins += [{"cell": -1, "compile_s": 0.0}] * (cells - at_start - len(joins))
             f.write(
                 json.dumps(
                     {
@@ -395,7 +590,7 @@ def write_run_logs(
                         "time_s": startup_s + end,
                         "step_s": end - start,
                         "tokens": tokens,
-                        "cells": list(range(cells)),
+                        "cells": list(range(at_start)),  # as the runtime: at the start
                         "joins": joins,
                     }
                 )
@@ -430,8 +625,8 @@ def write_run_logs(
     (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     if log.get("calls"):
         by_execution: dict[int, list] = {}
-        for e, start, end, work in log["calls"]:
-            by_execution.setdefault(e, []).append((start, end, work))
+        for e, start, end, work, engine in log["calls"]:
+            by_execution.setdefault(e, []).append((start, end, work, engine))
         (workdir / "executions").mkdir(exist_ok=True)
         for e, parts in by_execution.items():
             execution_id = f"g{e // n}/{e % n}"
@@ -441,8 +636,9 @@ def write_run_logs(
                     "started_at": startup_s + start,
                     "finished_at": startup_s + end,
                     "output_len": max(1, round(work * TOKENS_PER_WORK_S)),
+                    "engines": [f"cell{i}" for i in dict.fromkeys(engine)],
                 }
-                for i, (start, end, work) in enumerate(parts)
+                for i, (start, end, work, engine) in enumerate(parts)
             ]
             header = json.dumps({"execution_id": execution_id, "calls": calls}).encode()
             path = workdir / "executions" / f"{escape_id(execution_id)}.gxr"

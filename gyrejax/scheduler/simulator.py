@@ -66,7 +66,17 @@ executions decoding and a step running (a demand of `train_cores` cores), every 
 them progresses at min(1, decode_cores / (n + train_cores)) of its full speed, recomputed
 whenever the active set changes. Hence one execution at a time, no tool calls and no
 step gives the old durations exactly. `first_step_s` (both models) is extra work of the
-first step (compilation).
+first step (compilation). Also in the load model, the runtime's other costs:
+  * `per_engine`: executions run on a serving cell's engine (the least loaded when they
+    start; a draining cell's move to the others); demand counts engines, not
+    executions (an engine's decode step is one batched computation), and an execution
+    on an engine serving n progresses at share / ((1 - batch_cost) + batch_cost * n):
+    a step costs a + b * n, so how executions spread over rollout cells matters;
+  * compilation: an engine's first decode of turn k waits `engine_compile_s[k]` wall
+    seconds (XLA compiles on about one thread; the engine still counts as one demand);
+    the trainer's first step adds `first_step_s` of work, a step at a trainer width not
+    seen before `train_compile_s`, a cell joining training for the first time
+    `join_compile_s` (work, so it competes for the cores).
 
 Bounds: `lower_bound_s` is the work over the cells; `makespan_bound_s` also accounts for
 the staleness gate's critical path and the pipeline fill, and holds for any publication
@@ -140,6 +150,22 @@ class SimConfig:
       tool_median_s, tool_sigma: load model: lognormal wall time of one tool call
         (median 0: none).
       first_step_s: extra seconds of work of the first step (compilation).
+      per_engine: load model: one demand per engine with executions decoding (an
+        engine's batched decode step), not one per decoding execution; its executions
+        then progress at share / ((1 - batch_cost) + batch_cost * n) for n on it.
+      batch_cost: load model with per_engine: a decode step of an engine serving n
+        executions costs (1 - batch_cost) + batch_cost * n of a one-execution step
+        (b / (a + b) of the runtime's a + b * n).
+      engine_compile_s: load model: per turn k, the wall seconds an engine compiles
+        before its first decode of turn k (contexts grow turn by turn and cross the
+        engine's length buckets, new shapes, at some turns; turns past the end: none);
+        the engine's decoding waits for it. Wall time, not shared work: XLA compiles on
+        about one thread (the real runs: one engine alone ~11 s, four at once 14-18 s);
+        a compiling engine still counts as one demand (per_engine).
+      train_compile_s: load model: seconds of work added to the first step at each new
+        trainer width after the first step (a new sharding compiles).
+      join_compile_s: load model: seconds of work added to a running step when a cell
+        joins training for the first time (its compilation).
       seed: seed of the trace (durations and tokens).
     """
 
@@ -172,6 +198,11 @@ class SimConfig:
     tool_median_s: float = 0.0
     tool_sigma: float = 0.0
     first_step_s: float = 0.0
+    per_engine: bool = False
+    batch_cost: float = 0.0
+    engine_compile_s: tuple[float, ...] = ()
+    train_compile_s: float = 0.0
+    join_compile_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -204,10 +235,16 @@ class SimConfig:
             "tool_median_s",
             "tool_sigma",
             "first_step_s",
+            "train_compile_s",
+            "join_compile_s",
         )
         for name in costs:
             if getattr(self, name) < 0:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 0")
+        if any(not t >= 0 for t in self.engine_compile_s):
+            raise ValueError(f"sim.engine_compile_s={self.engine_compile_s}, expected >= 0")
+        if not 0 <= self.batch_cost <= 1:
+            raise ValueError(f"sim.batch_cost={self.batch_cost}, expected in [0, 1]")
         if self.workload not in WORKLOADS:
             raise ValueError(f"sim.workload={self.workload!r}, expected one of {WORKLOADS}")
 
@@ -575,7 +612,17 @@ class Simulator:
         self.phase = np.zeros(total, dtype=np.int64)
         self.left = self.remaining / config.turns
         self.phase_since = np.zeros(total)
-        self.calls: list[tuple[int, float, float, float]] = []  # (execution, start, end, work)
+        # (execution, start, end, work, (engine cell at its start, at its end))
+        self.calls: list[tuple[int, float, float, float, tuple[int, int]]] = []
+        # Load model, per engine: executions migrate between engines, each engine compiles
+        # before its first decode of each turn, the trainer per new width and first join.
+        self.engine = np.full(total, -1, dtype=np.int64)
+        self.call_engine = np.full(total, -1, dtype=np.int64)  # where its phase began
+        self.compile_left = np.zeros(k)
+        self.engine_compiled: set[tuple[int, int]] = set()  # (cell, turn)
+        self.widths_seen: set[int] = set()
+        self.joined_once = [False] * k
+        self.join_log: list[tuple[int, int, float]] = []  # (step, cell, compile wall s)
         self._due: int | None = None
         self.waiting: collections.deque[int] = collections.deque()
         self.running: list[int] = []  # in start order (pause the latest first)
@@ -625,6 +672,8 @@ class Simulator:
                 self._finish_execution()
             elif kind == "phase":
                 self._finish_phase()
+            elif kind == "compile":
+                self._finish_compile()
             elif kind == "transition":
                 self._finish_transition()
             else:
@@ -655,6 +704,7 @@ class Simulator:
                 "steps": self.step_log,
                 "switches": self.switch_log,
                 "calls": self.calls,
+                "join_compiles": self.join_log,
             },
         )
 
@@ -698,15 +748,23 @@ class Simulator:
         if self.current is not None and self.current[2] == "switch" and self.current[3] < best:
             best, kind = self.current[3], "transition"
         if self.config.load_model:
+            share = self._share()
             if self.running:
                 running = np.array(self.running)
-                share = self._share()
-                rates = np.where(self.phase[running] % 2 == 0, share, 1.0)
-                times = self.left[running] / rates
+                rates = self._rates(running, share)
+                with np.errstate(divide="ignore"):
+                    times = np.where(
+                        rates > 0, self.left[running] / np.maximum(rates, 1e-300), np.inf
+                    )
                 i = int(np.argmin(times))
                 if self.now + times[i] < best:
                     best, kind = self.now + float(times[i]), "phase"
                     self._due = int(running[i])
+            compiling = np.flatnonzero(self.compile_left > 0)
+            if len(compiling):
+                when = self.now + float(self.compile_left[compiling].min())
+                if when < best:
+                    best, kind = when, "compile"
             return best, kind
         while self.heap and self.heap[0][2] != self.generation[self.heap[0][1]]:
             heapq.heappop(self.heap)  # a paused execution's stale entry
@@ -743,8 +801,10 @@ class Simulator:
             self.step_work = max(0.0, self.step_work - dt * self._train_rate() * share)
         if c.load_model and self.running:
             running = np.array(self.running)
-            rates = np.where(self.phase[running] % 2 == 0, share, 1.0)
+            rates = self._rates(running, share)
             self.left[running] = np.maximum(0.0, self.left[running] - dt * rates)
+        if c.load_model:
+            self.compile_left = np.maximum(0.0, self.compile_left - dt)
         self.now = when
 
     def _share(self) -> float:
@@ -754,10 +814,63 @@ class Simulator:
         if not c.load_model:
             return 1.0
         running = np.array(self.running, dtype=np.int64)
-        demand = float(np.count_nonzero(self.phase[running] % 2 == 0))
+        decoding = running[self.phase[running] % 2 == 0]
+        # A compiling engine holds a core (XLA compiles on about one thread) and its
+        # executions, waiting, still count: what the fit sees in the logs.
+        if c.per_engine:  # one demand per engine decoding or compiling
+            engines = set(self.engine[decoding].tolist()) | set(
+                np.flatnonzero(self.compile_left > 0).tolist()
+            )
+            demand = float(len(engines - {-1}))
+        else:
+            demand = float(len(decoding))
         if self.step_running and self.step_cells:
             demand += c.train_cores
         return min(1.0, c.decode_cores / demand) if demand > 0 else 1.0
+
+    def _rates(self, running: np.ndarray, share: float) -> np.ndarray:
+        """Load model: the progress rate of each running execution (decode work seconds
+        or tool wall seconds per second)."""
+        c = self.config
+        engine = self.engine[running]
+        decoding = self.phase[running] % 2 == 0
+        rates = np.where(decoding, share, 1.0)
+        if c.per_engine:
+            batch = np.bincount(engine[decoding & (engine >= 0)], minlength=c.cells)
+            cost = (1 - c.batch_cost) + c.batch_cost * np.maximum(batch[np.maximum(engine, 0)], 1)
+            rates = np.where(decoding, share / cost, 1.0)
+        stalled = decoding & (engine >= 0) & (self.compile_left[np.maximum(engine, 0)] > 0)
+        return np.where(stalled, 0.0, rates)
+
+    def _assign_engine(self, e: int) -> None:
+        """Load model: `e` runs on the serving cell with the fewest executions; a cell's
+        first execution starts its engine's compilation."""
+        serving = [i for i in range(self.config.cells) if self.serving[i]]
+        if not serving:
+            self.engine[e] = -1
+            return
+        running = np.array(self.running, dtype=np.int64)
+        counts = np.bincount(
+            self.engine[running][self.engine[running] >= 0], minlength=self.config.cells
+        )
+        cell = min(serving, key=lambda i: (counts[i], i))
+        self.engine[e] = cell
+
+    def _maybe_compile(self, e: int) -> None:
+        """Load model: an engine's first decode of a turn compiles (the turn's longer
+        contexts are a new shape); the engine's decoding waits for it. Asked when a
+        decode phase begins (an execution migrating mid-phase compiles nothing, so that
+        each compilation begins at a logged call's start, as the fit assumes)."""
+        cell, turn = int(self.engine[e]), int(self.phase[e] // 2)
+        if cell >= 0 and self.phase[e] % 2 == 0 and (cell, turn) not in self.engine_compiled:
+            self.engine_compiled.add((cell, turn))
+            costs = self.config.engine_compile_s
+            self.compile_left[cell] += costs[turn] if turn < len(costs) else 0.0
+
+    def _finish_compile(self) -> None:
+        """Load model: the engine whose compilation is due is ready."""
+        # (_advance already brought it to about 0; others compiling go on)
+        self.compile_left[self.compile_left < 1e-9] = 0.0
 
     def _finish_phase(self) -> None:
         """Load model: the due execution ends a decode phase or a tool call."""
@@ -765,7 +878,8 @@ class Simulator:
         self._due = None
         if self.phase[e] % 2 == 0:
             work = self.trace.duration_s.reshape(-1)[e] / c.turns
-            self.calls.append((e, self.phase_since[e], self.now, work))
+            engines = (int(self.call_engine[e]), int(self.engine[e]))
+            self.calls.append((e, self.phase_since[e], self.now, work, engines))
         self.phase[e] += 1
         self.phase_since[e] = self.now
         if self.phase[e] >= 2 * c.turns - 1:
@@ -777,6 +891,8 @@ class Simulator:
             )
         else:
             self.left[e] = self.trace.duration_s.reshape(-1)[e] / c.turns
+            self.call_engine[e] = self.engine[e]
+            self._maybe_compile(e)
 
     # --- rollout ------------------------------------------------------------------------------
 
@@ -813,7 +929,12 @@ class Simulator:
             if not self.config.load_model:
                 heapq.heappush(self.heap, (self.now + self.remaining[e], e, self.generation[e]))
             self.running.append(e)
+            if self.config.load_model:
+                self._assign_engine(e)
             if not self.started_once[e]:
+                self.call_engine[e] = self.engine[e]
+                if self.config.load_model:
+                    self._maybe_compile(e)
                 self.phase_since[e] = self.now
                 self.started_once[e] = True
                 self.totals[1] += 1
@@ -856,6 +977,10 @@ class Simulator:
         if role is Role.TRAINING:
             self.serving[cell] = False  # drain: its executions move to the other cells
             self._shrink_slots()
+            if self.config.load_model:
+                for e in self.running:
+                    if self.engine[e] == cell:
+                        self._assign_engine(e)
             self.current = [cell, role, "switch", self.now + self.config.to_training_s]
             return
         self.leaving[cell] = True
@@ -886,6 +1011,13 @@ class Simulator:
             self.in_trainer[cell] = True
             if self.step_running:
                 self.step_cells.add(cell)  # joins the running step
+                if self.config.load_model and not self.joined_once[cell]:
+                    self.step_work += self.config.join_compile_s * self._train_rate()
+                    # What the runtime logs: the compile's wall time at today's share.
+                    wall = self.config.join_compile_s / self._share()
+                    self.join_log.append((self.version + 1, cell, wall))
+            if self.config.load_model:
+                self.joined_once[cell] = True
         else:
             self.serving[cell] = True
             self._fill_slots()
@@ -923,6 +1055,12 @@ class Simulator:
         self.step_work += c.step_overhead_s * self._train_rate()
         if self.version == 0:
             self.step_work += c.first_step_s * self._train_rate()
+        elif c.load_model and len(self.step_cells) not in self.widths_seen:
+            self.step_work += c.train_compile_s * self._train_rate()
+        if c.load_model:
+            self.widths_seen.add(len(self.step_cells))
+            for cell in self.step_cells:
+                self.joined_once[cell] = True
         return True
 
     def _train_rate(self) -> float:
