@@ -9,6 +9,7 @@ JAX detects, e.g. SLURM) starts JAX's distributed runtime first; see `launch/loc
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -64,10 +65,20 @@ def _quiet_orbax(record) -> bool:
     return record.levelno >= logging.WARNING or "orbax" not in record.pathname
 
 
+def _one_line_unraisable(unraisable) -> None:
+    """An exception Python can only ignore (Orbax's read coroutines, left pending when a
+    damaged checkpoint fails a restore, raise as they are collected): one line on
+    stderr, not a traceback that buries the run's own one-line error."""
+    error = unraisable.exc_value
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    sys.stderr.write(f"gyrejax.launch: ignored {type(error).__name__}: {text}\n")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     absl_logging.get_absl_handler().addFilter(_quiet_orbax)
+    sys.unraisablehook = _one_line_unraisable
     from gyrejax import preflight
     from gyrejax.config import ConfigError, from_dict
 
@@ -102,6 +113,7 @@ def main(argv: list[str]) -> None:
         run(config, _WORKDIR.value)
     except (ConfigError, CheckpointError) as e:
         where = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+        gc.collect()  # what a failed restore left pending reports now, before the error
         sys.exit(f"gyrejax.launch: {where}{e}")
 
 

@@ -180,11 +180,14 @@ def test_refuses_bad_requests_and_fails_when_the_server_dies(server):
             engine.submit(too_long)
         with pytest.raises(TypeError, match="directory path"):
             await engine.update_weights({"w": np.zeros(2)}, 1)
+        # The longest budget the server allows, killed at the first token seen: the
+        # request must still run when the server dies (under load it once had ended).
+        budget = MAX_SEQ_LEN - len(PROMPTS[2]) - 1
         future = engine.submit(
-            Request("d", PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=200))
+            Request("d", PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=budget))
         )
-        while len(engine._streams["d"].output) < 5:
-            await asyncio.sleep(0.01)
+        while not engine._streams["d"].output:
+            await asyncio.sleep(0.001)
         kill_server_process(process)  # the host goes away mid-request
         with pytest.raises(EngineError):
             await future
