@@ -92,6 +92,21 @@ def assert_trees_close(a, b, rtol=1e-5):
     jax.tree.map(check, a, b)
 
 
+def joins_during_the_step(trainer, all_cells, join_after):
+    """An `on_micro_step` callback: once n micro-steps are done, for each n in
+    `join_after`, the next of `all_cells` joins the step."""
+    join_after, done = sorted(join_after), []
+
+    def on_micro_step(m, cell):
+        done.append(m)
+        while join_after and len(done) >= join_after[0]:
+            join_after.pop(0)
+            trainer.join(all_cells[len(trainer.training)])
+            time.sleep(0.3)  # hold this worker so the newcomer gets to claim
+
+    return on_micro_step
+
+
 def test_satellites_joining_mid_step_give_the_same_update():
     batch = make_batch()
     assert batch.num_micro_steps >= 6
@@ -105,16 +120,10 @@ def test_satellites_joining_mid_step_give_the_same_update():
     elastic = ElasticTrainer(init_model(MODEL), all_cells[0], rl=RLConfig(), train=TRAIN)
     for cell in all_cells[1:]:
         assert elastic.precompile(cell) > 0
-    done = []
 
-    def on_micro_step(m, cell):
-        done.append(m)
-        while join_after and len(done) >= join_after[0]:
-            join_after.pop(0)
-            elastic.join(all_cells[len(elastic.training)])
-            time.sleep(0.3)  # hold this worker so the newcomer gets to claim
-
-    report = elastic.train_step(batch, on_micro_step=on_micro_step)
+    report = elastic.train_step(
+        batch, on_micro_step=joins_during_the_step(elastic, all_cells, join_after)
+    )
     assert len(elastic.training) == 4 and len(report.joins) == 3
     assert sum(report.micro_steps_per_cell.values()) == batch.num_micro_steps
     assert len(report.cells) >= 2, report.micro_steps_per_cell  # satellites did take part
@@ -293,17 +302,9 @@ def test_satellites_precompiled_for_every_row_shape_join_a_bucketed_step_mid_ste
     for cell in all_cells:
         assert trainer.precompile(cell) > 0
     count = trainer.compile_count
-    join_after = [1, 2, 3]
-    done = []
-
-    def on_micro_step(m, cell):
-        done.append(m)
-        while join_after and len(done) >= join_after[0]:
-            join_after.pop(0)
-            trainer.join(all_cells[len(trainer.training)])
-            time.sleep(0.3)  # hold this worker so the newcomer gets to claim
-
-    got = trainer.train_step(bucketed, on_micro_step=on_micro_step)
+    got = trainer.train_step(
+        bucketed, on_micro_step=joins_during_the_step(trainer, all_cells, [1, 2, 3])
+    )
     assert len(trainer.training) == 4 and len(got.joins) == 3 and not got.skipped
     assert sum(got.micro_steps_per_cell.values()) == bucketed.num_micro_steps
     assert len(got.cells) >= 2, got.micro_steps_per_cell  # satellites did take part
