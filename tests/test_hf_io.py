@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gyrejax.config import ConfigError
 from gyrejax.model import hf_io
 from gyrejax.model.hf_io import (
-    TOKENIZER_FILES,
+    TOKENIZER_EXPORT_FILES,
     CheckpointError,
     export_hf,
     hf_tensors,
@@ -132,7 +132,7 @@ def test_export_with_the_tokenizer_loads_as_one_directory(hf_checkpoints, bpe_to
     out.mkdir()
     (out / "vocab.json").write_text("{}")  # a stale file of another tokenizer: removed
     export_hf(model, out, tokenizer=bpe_tokenizer)
-    source = {p.name for p in bpe_tokenizer.iterdir() if p.name in TOKENIZER_FILES}
+    source = {p.name for p in bpe_tokenizer.iterdir() if p.name in TOKENIZER_EXPORT_FILES}
     assert "tokenizer.json" in source
     assert {p.name for p in out.iterdir()} == source | {"config.json", "model.safetensors"}
     want, got = AutoTokenizer.from_pretrained(bpe_tokenizer), AutoTokenizer.from_pretrained(out)

@@ -3,7 +3,7 @@
 `load_hf` reads `config.json` plus `model.safetensors` (or a sharded
 `model.safetensors.index.json`) into a `Transformer`; `export_hf` writes a model back in
 the same layout, so transformers and vLLM load trained weights, and with an HF tokenizer
-directory copies its files in too (`TOKENIZER_FILES`), so one directory serves both
+directory copies its files in too (`TOKENIZER_EXPORT_FILES`), so one directory serves both
 `AutoTokenizer` and `AutoModelForCausalLM`, as a Qwen checkpoint does.
 `tokenizer_fingerprint` names a `model.tokenizer`'s vocabulary (what the model's ids
 mean) for the training checkpoints' metadata. Every problem with a checkpoint raises
@@ -36,7 +36,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # An HF tokenizer's files, as `save_pretrained` writes them (Qwen's set, plus the
 # sentencepiece model of other families): whichever exist are copied into an export.
-TOKENIZER_FILES = (
+TOKENIZER_EXPORT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -405,7 +405,7 @@ def export_hf(
 
     Args:
       tokenizer: an HF tokenizer directory (a `model.tokenizer`): whichever of
-        `TOKENIZER_FILES` it holds are copied in (and others of them the directory held
+        `TOKENIZER_EXPORT_FILES` it holds are copied in (and others of them the directory held
         removed), so `AutoTokenizer.from_pretrained(directory)` loads it. None or
         `bytes` (the byte tokenizer, which has no files): no tokenizer file is touched.
 
@@ -439,8 +439,8 @@ def export_hf(
         if not source.is_dir():
             raise CheckpointError(f"tokenizer {source}: not a directory")
         if source.resolve() != directory.resolve():  # (exporting into it: keep its own)
-            tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
-            old += [n for n in TOKENIZER_FILES if not (source / n).is_file()]
+            tokenizer_files = [source / n for n in TOKENIZER_EXPORT_FILES if (source / n).is_file()]
+            old += [n for n in TOKENIZER_EXPORT_FILES if not (source / n).is_file()]
     for stale in old:
         (directory / stale).unlink(missing_ok=True)
     for path in tokenizer_files:

@@ -177,13 +177,13 @@ def train_on_store(
       cells: every cell (all of them train).
       model: the starting policy.
       workdir: metrics, checkpoints and HF exports go here.
+      trainer: the trainer to train, at the start of this phase (the warm start hands
+        over the job's one trainer; across processes it has their transport); default:
+        a new one on `cells[0]` built from `model`.
 
     Raises:
       ConfigError: the store is missing or empty, or the checkpoint to resume was
         trained with another `model.tokenizer`.
-      trainer: the trainer to train, at the start of this phase (the warm start hands
-        over the job's one trainer; across processes it has their transport); default:
-        a new one on `cells[0]` built from `model`.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
