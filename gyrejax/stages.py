@@ -64,9 +64,14 @@ def warm_start(
         chat, workspaces = load_chat(config.model.tokenizer), workdir / "demonstration_workspaces"
         if config.rl.agent == "command":  # in the user's agent's own format
             recorded = command_demonstrations(
-                config, env, tasks, workspaces, seed=config.seed, quality=config.warmup.quality,
+                config,
+                env,
+                tasks,
+                workspaces,
+                seed=config.seed,
+                quality=config.warmup.quality,
                 chat=chat,
-            )  # fmt: skip
+            )
         else:
             recorded = demonstration_executions(
                 env,
