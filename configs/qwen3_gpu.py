@@ -29,8 +29,9 @@ bias, untied); load_hf reads them from the checkpoint and the run uses those, an
 tests/test_gpu_configs.py checks that these equal what load_hf reads from the published
 config.json. Each variant trains the longest row, 32768 (Qwen3's native context) else
 16384, on the smallest cell of at most 4 GPUs (so one host runs a core and a satellite)
-that holds it within the budget below, also once the trainer keeps float32 master
-weights; `rollout.max_seq_len` equals the row length (a call trains in one row).
+that holds it within the budget below, with the float32 master weights and moments the
+trainer keeps for a bfloat16 model (`train.master_dtype`); `rollout.max_seq_len` equals
+the row length (a call trains in one row).
 
 Memory per device, in GB (1e9 bytes), from gyrejax/memory.py on abstract shapes (its
 docstring derives each term; tests/test_gpu_configs.py renders every row below from this
@@ -41,43 +42,47 @@ gathered layers).
 
 Training, the core cell at its peak (one micro-step of train.rows_per_micro_step rows,
 one row per device):
-  * params: as the trainer keeps them, in bfloat16 (no float32 master copy);
+  * params: the weights micro-steps compute with, in bfloat16 (the masters cast down);
+  * master: the float32 master weights the optimizer updates (train.master_dtype);
   * grads: one micro-step's gradients (bfloat16); accum: their float32 sum;
-  * optim: AdamW's two moments, which take the parameter dtype (bfloat16: optax's
-    mu_dtype is unset), laid out like the parameters;
+  * optim: AdamW's two moments, float32 like the masters, laid out like the parameters;
   * act/row: row_length x (layers + 1) x what a layer keeps for its backward per token
     (16 hidden + 12 intermediate + 12 q + 10 kv bytes and a few per head with qk-norm;
     Qwen2.5: 6 q and 4 kv; the extra layer is the working set of the layer in backward);
   * logits: 3 float32 copies of row_length x vocab (rl/objective.py computes logits at
     every position, not only trained ones: logits, the kept exp, their cotangent), over
     `tensor`, plus the float32 output matrix and its cotangent;
-  * headroom: 141 GB less the total; fp32: the total if the trainer kept float32 master
-    weights and moments (8 more bytes per parameter), which bfloat16 RL needs (below).
-  variant    cell    row params grads accum optim act/row logits  total   headroom   fp32
-  0.6b       1x2   32768    0.6   0.6   1.2   1.2    50.7   30.8   85.1   55.9 40%   87.5
-  1.7b       1x4   32768    0.9   0.9   1.7   1.7    58.0   16.2   79.4   61.6 44%   82.8
-  4b         1x4   16384    2.0   2.0   4.0   4.0    52.2    8.7   73.0   68.0 48%   81.0
-  8b         1x4   16384    4.1   4.1   8.2   8.2    71.8    9.4  105.7   35.3 25%  122.1
-  qwen25_7b  1x4   16384    3.8   3.8   7.6   7.6    57.6    9.2   89.6   51.4 36%  104.8
+  * headroom: 141 GB less the total. Masters and float32 moments cost 8 bytes per
+    parameter more than bfloat16 weights and moments alone (train.master_dtype="same"),
+    which would lose most updates (below).
+  variant    cell    row params master grads accum optim act/row logits  total   headroom
+  0.6b       1x2   32768    0.6    1.2   0.6   1.2   2.4    50.7   30.8   87.5   53.5 38%
+  1.7b       1x4   32768    0.9    1.7   0.9   1.7   3.4    58.0   16.2   82.8   58.2 41%
+  4b         1x4   16384    2.0    4.0   2.0   4.0   8.0    52.2    8.7   81.0   60.0 43%
+  8b         1x4   16384    4.1    8.2   4.1   8.2  16.4    71.8    9.4  122.1   18.9 13%
+  qwen25_7b  1x4   16384    3.8    7.6   3.8   7.6  15.2    57.6    9.2  104.8   36.2 26%
 
 Rollout, an engine on one cell: KV/slot = layers x 2 x kv_heads x head_dim x
 max_seq_len x 2 bytes for the whole model; per device over `tensor` (kv heads); KV =
 slots x that; weights laid out by the rollout rules (tensor-parallel only); share =
 rollout.gpu_memory_utilization x 141 GB; max slots = the slots whose KV fits the share
-beside the weights; core = the share plus the trainer's parameters and optimizer state,
-which stay on the core cell while it rolls out (at most 141 GB).
+beside the weights; core = the share plus the trainer's parameters, masters and optimizer
+state, which stay on the core cell while it rolls out (at most 141 GB: the share is 0.75,
+since at 0.85 the 8b and qwen25_7b cores would need 148.5 and 146.5 GB).
   variant    KV/slot per device slots     KV weights  share max slots   core
-  0.6b           3.8        1.9    32   60.1     0.6  119.8        63  121.6
-  1.7b           3.8        0.9    32   30.1     0.9  119.8       126  122.4
-  4b             2.4        0.6    32   19.3     2.0  119.8       195  125.9
-  8b             2.4        0.6    32   19.3     4.1  119.8       191  132.1
-  qwen25_7b      0.9        0.2    32    7.5     3.8  119.8       494  131.3
+  0.6b           3.8        1.9    32   60.1     0.6  105.8        55  109.9
+  1.7b           3.8        0.9    32   30.1     0.9  105.8       111  111.8
+  4b             2.4        0.6    32   19.3     2.0  105.8       171  119.8
+  8b             2.4        0.6    32   19.3     4.1  105.8       168  134.4
+  qwen25_7b      0.9        0.2    32    7.5     3.8  105.8       434  132.4
+
+Why masters: bfloat16 keeps 8 significant bits, so an update below 0.2-0.4% of a weight
+(half its step) rounds away; Adam's updates are about the learning rate (1e-6), weights
+about 0.02, so without masters (train.master_dtype="same") most vanish. With them the
+update lands on the float32 masters, and the bfloat16 weights the micro-steps and engines
+use (the masters cast down) change once the masters cross a bfloat16 step.
 
 Known limits, from the trainer as it is:
-  * bfloat16 weights and moments, no float32 master copy: bfloat16 keeps 8 significant
-    bits, so an update below 0.2-0.4% of a weight (half its step) rounds away; Adam's
-    updates are about the learning rate (1e-6), weights about 0.02, so most vanish. The
-    fp32 column shows every layout still fits once the trainer keeps float32 masters.
   * No rematerialisation and full-vocabulary logits at every position: a row's
     activations dominate, which is why 4b, 8b and qwen25_7b train 16384-token rows on 4
     GPUs (32768 would need 8 GPUs for 4b and does not fit 8 for 8b or qwen25_7b).
@@ -212,8 +217,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.max_slots = 32  # concurrent executions per engine; the table says how many fit
     c.rollout.max_seq_len = row_length
     c.rollout.temperature = 1.0
-    # vLLM's share of a device; the core cell keeps the trainer's state beside it.
-    c.rollout.gpu_memory_utilization = 0.85
+    # vLLM's share of a device; the core cell keeps the trainer's state beside it (with
+    # float32 masters and moments 28.7 GB for 8b: 0.85 would exceed the device).
+    c.rollout.gpu_memory_utilization = 0.75
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
     c.rollout.vllm_servers = ()
     c.rollout.engine_servers = ()
@@ -229,6 +235,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.max_row_shapes = 0  # most lengths per batch (0: no cap)
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
+    c.train.master_dtype = "float32"  # float32 masters + moments for a bfloat16 model
     c.train.sharding_rules = TRAIN_SHARDING_RULES
 
     # RL objective and trajectory processing.

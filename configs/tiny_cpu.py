@@ -110,6 +110,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.max_row_shapes = 0  # most lengths per batch (0: no cap)
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
+    c.train.master_dtype = "float32"  # masters beside a bfloat16 model (none: float32 here)
     c.train.sharding_rules = TRAIN_SHARDING_RULES
 
     # RL objective and trajectory processing.

@@ -27,6 +27,9 @@ class ConfigError(ValueError):
 # Names picked by config strings. The registries that implement them live with their
 # modules; these tuples are what the configuration accepts.
 DTYPES = ("float32", "bfloat16")
+# What the trainer keeps the weights it updates and AdamW's moments in (train.master_dtype):
+# float32 master weights beside a low-precision model, or the model's own dtype ("same").
+MASTER_DTYPES = ("float32", "same")
 ATTENTION_IMPLS = ("dense", "blocked")
 LOSSES = ("ppo", "grpo", "tis", "sft")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
@@ -303,10 +306,17 @@ class TrainConfig:
     max_row_shapes: int = 0  # most distinct lengths in one batch; 0: no cap
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    # Mixed precision: "float32" keeps float32 master weights and AdamW moments when
+    # model.dtype is lower (bfloat16), computes each micro-step in model.dtype from the
+    # masters cast down, and applies the update to the masters (a 1e-6 update of a 0.02
+    # weight is below bfloat16's resolution); with a float32 model it changes nothing.
+    # "same": weights and moments in model.dtype only (no master copy).
+    master_dtype: str = "float32"
     sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
 
     def __post_init__(self):
         _positive("train", self, "row_length", "rows_per_micro_step")
+        _one_of("train", self, "master_dtype", MASTER_DTYPES)
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             _fail("train.steps", self.steps, "expected an integer >= 0")
         _non_negative("train", self, "learning_rate", "max_grad_norm", "weight_decay")

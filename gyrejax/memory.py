@@ -7,13 +7,14 @@ check that an 8B layout fits a GPU it does not have (tests/test_gpu_configs.py,
 configs/qwen3_gpu.py).
 
 Training (the core cell at the peak of a micro-step, per device):
-  * parameters, as the trainer keeps them: in `model.dtype`, laid out by the train rules
-    (no float32 master copy);
+  * parameters, as the trainer keeps them: in `model.dtype`, laid out by the train rules;
+  * float32 master weights (`train.master_dtype = "float32"` with a lower-precision
+    model: `ElasticTrainer.master`), laid out like the parameters; none otherwise;
   * one micro-step's gradients (parameter dtype) and the float32 gradient accumulator
     (`ElasticTrainer._compiled_for`), both laid out like the parameters;
-  * the optimizer state: whatever `make_optimizer(train).init` returns (AdamW's two
-    moments take the parameter dtype: optax's `mu_dtype` is left unset), moments laid
-    out like their parameters, counters replicated;
+  * the optimizer state: whatever `make_optimizer(train).init` returns for the weights
+    it updates (AdamW's two moments take their dtype: float32 with masters, else the
+    parameter dtype), moments laid out like their parameters, counters replicated;
   * the KL reference (a second copy of the parameters) when `rl.kl_coef > 0`;
   * activations: `rows x length x (layers + 1) x kept_bytes_per_token_per_layer` for
     the micro-step shape with the most tokens per device, rows = its rows / cells.fsdp
@@ -30,14 +31,16 @@ Training (the core cell at the peak of a micro-step, per device):
     their cotangent), plus what the head keeps per token and the float32 copy of the
     output matrix `Transformer.logits` makes, with its cotangent.
   The update after the last micro-step holds no activations; its peak (parameters,
-  optimizer, accumulator, the gradients cast to the parameter dtype and the updates) is
+  masters, optimizer, accumulator, the gradients cast to the dtype of the weights it
+  updates and the updates, and with masters the new parameters cast from them) is
   counted too, and the larger of the two is the training peak.
 
 Rollout (an engine on one cell, per device): the engine's weights laid out by the
 rollout (sampling) rules, tensor-parallel only; its KV cache, `rollout.max_slots` slots
 of `layers x 2 x kv_heads x head_dim x max_seq_len x dtype bytes` over `tensor`; the
 share `rollout.gpu_memory_utilization` of the device it may take; and on the core cell
-the trainer's parameters and optimizer state, which stay while the core rolls out.
+the trainer's parameters, masters and optimizer state, which stay while the core rolls
+out.
 
 Not counted, left to the headroom (`HEADROOM`): the CUDA context and NCCL buffers, XLA's
 temporaries of fused ops and fragmentation, FSDP-gathered layers in flight, and vLLM's
@@ -51,6 +54,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
@@ -107,6 +111,12 @@ def uneven_shardings(state: nnx.State, mesh: AbstractMesh, rules: ShardingRules)
                     f"{axis}={mesh_shape[axis]}"
                 )
     return problems
+
+
+def keeps_masters(config: Config) -> bool:
+    """The trainer keeps float32 master weights and moments (`ElasticTrainer.master`):
+    `train.master_dtype` is "float32" and `model.dtype` is lower."""
+    return config.train.master_dtype == "float32" and config.model.dtype != "float32"
 
 
 def _shards(spec: PartitionSpec, mesh_shape: dict[str, int]) -> int:
@@ -178,6 +188,7 @@ class TrainingMemory:
     """Bytes per device of the core cell while it trains (see the module docstring)."""
 
     params: int
+    master: int  # float32 master weights; 0 without (train.master_dtype, model.dtype)
     gradients: int  # one micro-step's, in the parameter dtype
     accumulator: int  # float32 sum over micro-steps
     optimizer: int
@@ -192,13 +203,15 @@ class TrainingMemory:
 
     @property
     def micro_step_peak(self) -> int:
-        resident = self.params + self.optimizer + self.reference + self.accumulator
-        return resident + self.gradients + self.activations + self.logits
+        return self.resident + self.accumulator + self.gradients + self.activations + self.logits
 
     @property
     def update_peak(self) -> int:
-        # The gradients cast to the parameter dtype and the updates are alive together.
-        return self.params + self.optimizer + self.reference + self.accumulator + 2 * self.params
+        # The gradients cast to the updated weights' dtype and the updates are alive
+        # together; with masters the new parameters are cast while the old ones live.
+        if self.master:
+            return self.resident + self.accumulator + 2 * self.master + self.params
+        return self.resident + self.accumulator + 2 * self.params
 
     @property
     def total(self) -> int:
@@ -207,13 +220,7 @@ class TrainingMemory:
     @property
     def resident(self) -> int:
         """What the core keeps between steps, also while it rolls out."""
-        return self.params + self.optimizer + self.reference
-
-    @property
-    def float32_master_total(self) -> int:
-        """`total` if the trainer kept float32 master weights (the accumulator's size)
-        and float32 AdamW moments (twice the accumulator's size) beside the parameters."""
-        return self.total + self.accumulator + max(0, 2 * self.accumulator - self.optimizer)
+        return self.params + self.master + self.optimizer + self.reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +232,7 @@ class RolloutMemory:
     kv_per_slot_per_device: int
     slots: int  # rollout.max_slots
     share: int  # rollout.gpu_memory_utilization of the device
-    core_resident: int  # the trainer's parameters and optimizer state on the core cell
+    core_resident: int  # the trainer's parameters, masters and optimizer state on the core
 
     @property
     def kv(self) -> int:
@@ -271,7 +278,13 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
     pairs = list(zip(jax.tree.leaves(abstract), spec_leaves, strict=True))
 
     optimizer = make_optimizer(config.train)
-    opt_state = jax.eval_shape(optimizer.init, abstract)
+    masters = keeps_masters(config)
+    updated = (
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract)
+        if masters
+        else abstract
+    )
+    opt_state = jax.eval_shape(optimizer.init, updated)
     # As the trainer lays it out: moments like their parameters, counters replicated.
     opt_specs = optax.tree_utils.tree_map_params(
         optimizer,
@@ -299,6 +312,7 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
     logits = rows * length * head_bytes_per_token(model, cells.tensor) + head_matrix
     return TrainingMemory(
         params=param_bytes,
+        master=_per_device(pairs, mesh_shape, itemsize=4) if masters else 0,
         gradients=param_bytes,
         accumulator=_per_device(pairs, mesh_shape, itemsize=4),
         optimizer=_per_device(opt_pairs, mesh_shape),
@@ -369,9 +383,10 @@ def estimate(config: Config, hbm_bytes: int = H200_BYTES) -> Estimate:
         problems.append(
             f"training needs {gb(t.total)} GB per device, above {gb(limit)} GB "
             f"({1 - HEADROOM:.0%} of {gb(hbm_bytes)} GB): parameters {gb(t.params)}, "
-            f"gradients {gb(t.gradients)}, accumulator {gb(t.accumulator)}, optimizer "
-            f"{gb(t.optimizer)}, activations {gb(t.activations)} ({t.rows} row(s) of "
-            f"{gb(t.activations_per_row)}), logits {gb(t.logits)}"
+            f"masters {gb(t.master)}, gradients {gb(t.gradients)}, accumulator "
+            f"{gb(t.accumulator)}, optimizer {gb(t.optimizer)}, activations "
+            f"{gb(t.activations)} ({t.rows} row(s) of {gb(t.activations_per_row)}), logits "
+            f"{gb(t.logits)}"
         )
     r = rollout
     if r.total > r.share:
@@ -384,7 +399,7 @@ def estimate(config: Config, hbm_bytes: int = H200_BYTES) -> Estimate:
     if r.share + r.core_resident > hbm_bytes:
         problems.append(
             f"on the core cell the engine's share {gb(r.share)} GB plus the trainer's "
-            f"parameters and optimizer state {gb(r.core_resident)} GB exceed the device's "
+            f"parameters, masters and optimizer state {gb(r.core_resident)} GB exceed the device's "
             f"{gb(hbm_bytes)} GB"
         )
     return Estimate(training, rollout, hbm_bytes, tuple(problems))
@@ -402,6 +417,7 @@ _TRAINING_COLUMNS = (
     ("cell", -4),
     ("row", 6),
     ("params", 6),
+    ("master", 6),
     ("grads", 5),
     ("accum", 5),
     ("optim", 5),
@@ -409,7 +425,6 @@ _TRAINING_COLUMNS = (
     ("logits", 6),
     ("total", 6),
     ("headroom", 10),
-    ("fp32", 6),
 )
 _ROLLOUT_COLUMNS = (
     ("variant", -10),
@@ -442,8 +457,8 @@ def training_row(name: str, config: Config, est: Estimate) -> str:
     t, c = est.training, config.cells
     headroom = f"{gb(est.headroom)} {est.headroom / est.hbm_bytes:.0%}"
     values = (name, f"{c.fsdp}x{c.tensor}", config.train.row_length, gb(t.params))
-    values += (gb(t.gradients), gb(t.accumulator), gb(t.optimizer), gb(t.activations_per_row))
-    values += (gb(t.logits), gb(t.total), headroom, gb(t.float32_master_total))
+    values += (gb(t.master), gb(t.gradients), gb(t.accumulator), gb(t.optimizer))
+    values += (gb(t.activations_per_row), gb(t.logits), gb(t.total), headroom)
     return _line(_TRAINING_COLUMNS, values)
 
 

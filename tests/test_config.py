@@ -154,6 +154,10 @@ def test_values_are_coerced_to_field_types():
             {"train": {"sharding_rules": [["embed", "data"]]}},
             r"config\.train\.sharding_rules.*mesh axis must be one of fsdp, tensor",
         ),
+        (
+            {"train": {"master_dtype": "bfloat16"}},
+            r"^config\.train\.master_dtype='bfloat16': expected one of float32, same$",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_value(values, message):

@@ -222,9 +222,10 @@ def test_variant_fits_an_h200_and_the_docstring_shows_its_figures(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_layout_is_the_smallest_cell_for_the_longest_row(variant):
     """The docstring's rule: the longest row (32768, else 16384) on the smallest cell of
-    at most 4 GPUs that holds it, also with float32 master weights."""
+    at most 4 GPUs that holds it, with float32 master weights (the default)."""
     config, est = gpu_config(variant), estimate(variant)
-    fits = lambda e: not e.problems and e.training.float32_master_total <= e.limit
+    assert est.training.master > 0
+    fits = lambda e: not e.problems
     assert fits(est) and config.cells.size <= 4
     fsdp, tensor, row = config.cells.fsdp, config.cells.tensor, config.train.row_length
     if tensor > 1:
@@ -255,7 +256,8 @@ def test_too_small_cells_and_long_rows_are_reported_with_the_numbers():
     assert t.total > est.limit
     assert (
         f"training needs {memory.gb(t.total)} GB per device, above 126.9 GB (90% of 141.0 GB): "
-        f"parameters {memory.gb(t.params)}, gradients {memory.gb(t.gradients)}, accumulator "
+        f"parameters {memory.gb(t.params)}, masters {memory.gb(t.master)}, gradients "
+        f"{memory.gb(t.gradients)}, accumulator "
         f"{memory.gb(t.accumulator)}, optimizer {memory.gb(t.optimizer)}, activations "
         f"{memory.gb(t.activations)} (1 row(s) of {memory.gb(t.activations_per_row)}), "
         f"logits {memory.gb(t.logits)}"
@@ -281,24 +283,30 @@ def test_rollout_beyond_its_share_is_reported():
     over = memory_of(gpu_config("8b", **{"rollout.max_slots": slots}))
     assert over.problems == (
         f"rollout needs {memory.gb(over.rollout.total)} GB per device (weights 4.1, KV "
-        f"{memory.gb(over.rollout.kv)} for {slots} slots of 0.6), above its share 119.8 GB "
-        f"(rollout.gpu_memory_utilization=0.85); {slots - 1} slots would fit",
+        f"{memory.gb(over.rollout.kv)} for {slots} slots of 0.6), above its share 105.8 GB "
+        f"(rollout.gpu_memory_utilization=0.75); {slots - 1} slots would fit",
     )
     # The core keeps the trainer's weights and optimizer state beside the engine.
     whole = memory_of(gpu_config("8b", **{"rollout.gpu_memory_utilization": 1.0}))
     assert whole.problems == (
-        f"on the core cell the engine's share 141.0 GB plus the trainer's parameters and "
-        f"optimizer state {memory.gb(est.training.resident)} GB exceed the device's 141.0 GB",
+        f"on the core cell the engine's share 141.0 GB plus the trainer's parameters, "
+        f"masters and optimizer state {memory.gb(est.training.resident)} GB exceed the "
+        "device's 141.0 GB",
     )
 
 
-def test_trainer_keeps_bfloat16_weights_and_moments():
-    """What the docstring says the trainer keeps: moments in the parameter dtype (so
-    optimizer state is twice the parameters, plus a step counter), and why that is a
-    limit: a 1e-6 update of a 0.02 weight is lost in bfloat16, not in float32."""
+def test_trainer_keeps_float32_masters_and_moments_beside_bfloat16_weights():
+    """What the docstring says the trainer keeps: float32 masters (twice the bfloat16
+    parameters) and float32 moments (four times, plus a step counter), 8 bytes per
+    parameter more than train.master_dtype="same", and why: a 1e-6 update of a 0.02
+    weight is lost in bfloat16, not in float32 (tests/test_trainer.py trains it)."""
     t = estimate("0.6b").training
-    assert 0 <= t.optimizer - 2 * t.params < 1024
-    assert t.accumulator == 2 * t.params  # float32 vs bfloat16
+    assert t.master == t.accumulator == 2 * t.params  # float32 vs bfloat16
+    assert 0 <= t.optimizer - 4 * t.params < 1024
+    same = memory_of(gpu_config("0.6b", **{"train.master_dtype": "same"})).training
+    assert same.master == 0 and 0 <= same.optimizer - 2 * same.params < 1024
+    assert t.resident - same.resident == t.master + t.optimizer - same.optimizer
+    assert t.resident - same.resident - 4 * t.params < 1024  # 8 bytes per parameter
     weight, update = jnp.asarray(0.02, jnp.bfloat16), jnp.asarray(1e-6, jnp.bfloat16)
     assert weight + update == weight
     assert jnp.asarray(0.02, jnp.float32) + 1e-6 != jnp.asarray(0.02, jnp.float32)

@@ -5,9 +5,14 @@ the core) and a JSON record of counters: step, policy version, the run's RNG sta
 the data position. Orbax writes each step into a temporary directory and renames it
 when complete, so a crash never leaves a checkpoint that restores as valid but partial.
 
+The weights are those the optimizer updates (`ElasticTrainer.updated_weights`): float32
+master weights beside a bfloat16 model (`train.master_dtype`), else the parameters.
+
 Restoring takes *targets*: arrays (or `jax.ShapeDtypeStruct`s with shardings) laid out as
 the restored values should be, so a checkpoint saved with one cell size or mesh restores
-onto another (2 -> 4 -> 1 devices per cell) with identical values.
+onto another (2 -> 4 -> 1 devices per cell) with identical values. Orbax casts each array
+to its target's dtype, so a checkpoint written without masters (bfloat16 weights and
+moments) restores into float32 masters and moments with the same values.
 
 Checkpoints are read defensively (DESIGN.md, "Trust boundaries"): a checkpoint damaged
 on disk (array data cut short, metadata JSON cut short, a file gone) does not restore,

@@ -15,6 +15,14 @@ One training step consumes one packed batch (`gyrejax.trajectory.PackedBatch`). 
      (its only state lives on the core) updates the weights and the version goes up;
   5. report: a `StepReport`; satellites released with `release` leave at this boundary.
 
+Mixed precision (`train.master_dtype = "float32"`, the default): with a model in a lower
+dtype (bfloat16) the core also keeps float32 master weights (`master`) and AdamW's moments
+in float32. Micro-steps compute in the model's dtype from `params`, which are always the
+masters cast down (the weights satellites pull, engines get and exports write); the
+gradients accumulate in float32 (as they always do) and the update applies to the masters,
+so an update below half a bfloat16 step of its weight is not rounded away. Checkpoints
+hold the masters. With a float32 model there are no masters and nothing changes.
+
 Because the batch weights are normalised over the whole batch, the result does not
 depend on which cells took part or when they joined (up to float summation order).
 
@@ -126,7 +134,8 @@ class ElasticTrainer:
 
     Args:
       model: the policy; its weights are copied onto the core cell (by the train rules).
-      core: cell 0, which keeps the authoritative weights and the optimizer state.
+      core: cell 0, which keeps the authoritative weights (float32 masters beside a
+        lower-precision model, `train.master_dtype`) and the optimizer state.
       rl: loss configuration.
       train: optimizer, row shape and sharding rules.
       transport: how the cells share a step (default: every cell in this process). In a
@@ -160,6 +169,7 @@ class ElasticTrainer:
         self.transport.bind(self.layout, core)
         self.owns_core = self.transport.holds(core)
         self.params = None
+        self.master = None  # float32 master weights (train.master_dtype), on the core
         if self.owns_core:
             self.params = jax.device_put(params, self.param_shardings(core))
         self.keep_last_grads = keep_last_grads
@@ -218,6 +228,7 @@ class ElasticTrainer:
         self._pending_release.clear()
         self.reference = None
         self.opt_state = None
+        self.master = None if not self.owns_core else self._masters(train)
         if not self.owns_core:
             if rl.kl_coef > 0:  # the initial weights, identical in every process
                 self.reference = jax.tree.map(np.asarray, initial)
@@ -232,11 +243,39 @@ class ElasticTrainer:
             self.param_shardings(self.core),
             transform_non_params=lambda _: replicated,
         )
+        # With masters the moments take their dtype (float32): optax's moments follow
+        # the parameters they are initialised from.
         self.opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings)(
-            self.params
+            self.updated_weights
         )
         if rl.kl_coef > 0:  # KL anchor: the phase's initial weights, frozen.
             self.reference = jax.tree.map(jnp.copy, self.params)
+
+    def _masters(self, train: TrainConfig):
+        """The phase's float32 master weights: None unless `train.master_dtype` is
+        "float32" and the model's dtype is lower; a previous phase's masters are kept
+        (they are the weights; `params` are only their cast)."""
+        abstract = jax.tree.leaves(self.layout.abstract)
+        if train.master_dtype != "float32" or all(a.dtype == jnp.float32 for a in abstract):
+            return None
+        if self.master is not None:
+            return self.master
+        to_float32 = lambda params: jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return jax.jit(to_float32, out_shardings=self.param_shardings(self.core))(self.params)
+
+    def _cast_down(self, master):
+        """The model's weights from the masters: each cast to its parameter's dtype,
+        laid out like the parameters (the weights micro-steps and engines get)."""
+        down = lambda master: jax.tree.map(
+            lambda m, a: m.astype(a.dtype), master, self.layout.abstract
+        )
+        return jax.jit(down, out_shardings=self.param_shardings(self.core))(master)
+
+    @property
+    def updated_weights(self):
+        """The weights the optimizer updates and checkpoints hold: the float32 masters
+        when the trainer keeps them, else `params` (None off the core)."""
+        return self.master if self.master is not None else self.params
 
     # --- layout -------------------------------------------------------------------------
 
@@ -258,7 +297,8 @@ class ElasticTrainer:
         return NamedSharding(cell.mesh, spec)
 
     def model(self) -> Transformer:
-        """The current core weights as a model (shares the arrays)."""
+        """The current core weights as a model (shares the arrays): in the model's dtype,
+        the masters cast down when the trainer keeps them."""
         return nnx.merge(self.graphdef, self.params)
 
     @property
@@ -343,6 +383,8 @@ class ElasticTrainer:
         return self._reducers[key]
 
     def _apply_update(self, grads) -> float:
+        if self.master is not None:
+            return self._apply_master_update(grads)
         if self._update is None:
             self._compiles += 1
             optimizer = self.optimizer
@@ -358,22 +400,57 @@ class ElasticTrainer:
         self.params, self.opt_state, grad_norm = self._update(self.params, self.opt_state, grads)
         return float(grad_norm)
 
+    def _apply_master_update(self, grads) -> float:
+        """The update with float32 masters: the float32 gradient sum (never rounded to
+        the model's dtype) updates the masters and their float32 moments; the model's
+        weights are the new masters cast down."""
+        if self._update is None:
+            self._compiles += 1
+            optimizer, abstract = self.optimizer, self.layout.abstract
+
+            def update(master, opt_state, grads):
+                grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+                updates, opt_state = optimizer.update(grads, opt_state, master)
+                master = optax.apply_updates(master, updates)
+                params = jax.tree.map(lambda m, a: m.astype(a.dtype), master, abstract)
+                return master, params, opt_state, optax.tree.norm(grads)
+
+            shardings = self.param_shardings(self.core)
+            replicated = NamedSharding(self.core.mesh, jax.sharding.PartitionSpec())
+            out_shardings = (shardings, shardings, self._opt_shardings, replicated)
+            self._update = jax.jit(update, donate_argnums=(0, 1), out_shardings=out_shardings)
+        self.master, self.params, self.opt_state, grad_norm = self._update(
+            self.master, self.opt_state, grads
+        )
+        return float(grad_norm)
+
     # --- checkpoints ---------------------------------------------------------------------
 
     def save(self, checkpointer: TrainCheckpointer, metadata: dict | None = None) -> None:
-        """Checkpoints the core's weights and optimizer state at the current step."""
+        """Checkpoints the core's weights (`updated_weights`: the float32 masters when
+        kept) and optimizer state at the current step."""
         meta = {"step": self.step, "version": self.version, **(metadata or {})}
-        checkpointer.save(self.step, self.params, self.opt_state, meta)
+        checkpointer.save(self.step, self.updated_weights, self.opt_state, meta)
 
     def restore(self, checkpointer: TrainCheckpointer, step: int | None = None) -> dict:
         """Restores the latest (or `step`) checkpoint onto this trainer's core layout,
-        whatever layout it was saved from; returns its metadata."""
-        params, opt_state, meta = checkpointer.restore(
-            abstract_like(self.params, self.param_shardings(self.core)),
+        whatever layout it was saved from; returns its metadata.
+
+        Orbax casts each array to its target's dtype, so a checkpoint saved without
+        masters (weights and moments in the model's dtype) resumes with masters (and
+        float32 moments) that equal its weights exactly, and one with masters resumes
+        under `train.master_dtype = "same"` rounded to the model's dtype.
+        """
+        weights, opt_state, meta = checkpointer.restore(
+            abstract_like(self.updated_weights, self.param_shardings(self.core)),
             abstract_like(self.opt_state, self._opt_shardings),
             step,
         )
-        self.params, self.opt_state = params, opt_state
+        if self.master is not None:
+            self.master, self.params = weights, self._cast_down(weights)
+        else:
+            self.params = weights
+        self.opt_state = opt_state
         self.step, self.version = int(meta["step"]), int(meta["version"])
         return meta
 
