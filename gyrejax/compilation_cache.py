@@ -102,6 +102,19 @@ class CacheUse:
         )
 
 
+def _unwritable(directory: str) -> str | None:
+    """Why `directory` cannot hold the cache, or None. Nothing is created here: JAX makes
+    the directory at the first compile, so a run that fails before it writes nothing."""
+    path = directory
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"{path} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cannot write in {path}"
+    return None
+
+
 def enable(setting: str, workdir: str | None, *, field: str = "config.compilation_cache_dir"):
     """Points JAX's persistent compilation cache at `resolve(setting, workdir)`; call it
     before this process compiles anything (JAX opens the cache at the first compile and
@@ -115,17 +128,16 @@ def enable(setting: str, workdir: str | None, *, field: str = "config.compilatio
       A `CacheUse` counting from now on, or None when the cache is off.
 
     Raises:
-      ConfigError: the directory cannot be created.
+      ConfigError: the directory cannot be made (a file in its path, no permission).
     """
     directory, source = resolve(setting, workdir)
     if directory is None:
         logging.info("compilation cache: off (%s=%r)", field, setting)
         return None
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
+    problem = _unwritable(directory)
+    if problem:
         where = f"${ENV_DIR}" if source == ENV_DIR else f"{field}={setting!r}"
-        raise ConfigError(f"{where}: cannot create the directory {directory}: {e}") from e
+        raise ConfigError(f"{where}: {problem}")
     jax.config.update("jax_compilation_cache_dir", directory)
     if ENV_MIN_COMPILE_TIME not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)

@@ -30,10 +30,16 @@ def test_the_environment_wins_then_auto_is_the_workdirs_cache(monkeypatch, tmp_p
 def test_a_directory_that_cannot_be_made_names_the_setting(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV_DIR, raising=False)
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=r"^config\.compilation_cache_dir='.*file/cache': "):
-        enable(str(tmp_path / "file" / "cache"), None)
-    with pytest.raises(ConfigError, match=r"^--compilation_cache_dir='.*file/cache': cannot"):
-        enable(str(tmp_path / "file" / "cache"), None, field="--compilation_cache_dir")
+    setting = str(tmp_path / "file" / "cache" / "jax")
+    with pytest.raises(ConfigError, match=r"^config\.compilation_cache_dir='.*file/cache/jax': "):
+        enable(setting, None)
+    with pytest.raises(ConfigError, match=r"^--compilation_cache_dir='.*jax': .*file is not a dir"):
+        enable(setting, None, field="--compilation_cache_dir")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(ConfigError, match=r"cannot write in .*locked$"):
+            enable(str(tmp_path / "locked" / "cache"), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "locked"]  # nothing made
 
 
 LOADED = re.compile(r"compilation cache: (\d+) of (\d+) programs loaded from (\S+)")
