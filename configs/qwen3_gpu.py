@@ -188,6 +188,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     (fsdp, tensor), row_length = _LAYOUTS[variant]
     c = config_dict.ConfigDict()
     c.seed = 0
+    # Compiled programs kept in <workdir>/jax_cache: running again (a resume) loads them
+    # instead of compiling. A directory shares them between runs; "off" disables.
+    c.compilation_cache_dir = "auto"
 
     # Devices and cells: the host's GPUs, in cells of fsdp x tensor.
     c.cells = config_dict.ConfigDict()

@@ -22,8 +22,9 @@ line every `scheduler.progress_every_s` seconds, one line per RL step (reward, l
 tokens, staleness, training cells, roles) and per transition (phases timed). --workdir
 gets `layout.json`, `generations.jsonl`, `demonstrations/`, `warmup/`, `executions/`,
 `metrics.jsonl`, `transitions.jsonl`, `dispatch.jsonl`, `checkpoints/`,
-`cell_roles.png`, `steps.png` and `run_summary.json` (first vs last reward, utilisation,
-transitions).
+`cell_roles.png`, `steps.png`, `run_summary.json` (first vs last reward, utilisation,
+transitions) and `jax_cache/` (compiled programs: running again loads them, so a resume
+starts in seconds).
 
 Variants:
   configs/tiny_cpu.py:smoke   one layer, few short turns, no warm start, 2 RL steps; for
@@ -52,6 +53,9 @@ from gyrejax.harness.tokenizer import VOCAB_SIZE
 def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c = config_dict.ConfigDict()
     c.seed = 0
+    # Compiled programs kept in <workdir>/jax_cache: running again (a resume) loads them
+    # instead of compiling. A directory shares them between runs; "off" disables.
+    c.compilation_cache_dir = "auto"
 
     # Devices and cells: 8 emulated CPU devices -> 4 cells of 2.
     c.cells = config_dict.ConfigDict()

@@ -49,6 +49,10 @@ AGENTS = ("builtin", "command")
 AGENT_REWARDS = ("environment", "agent")
 # model.tokenizer's name for the harness's byte tokenizer (any other value is a path).
 BYTE_TOKENIZER = "bytes"
+# compilation_cache_dir's names (gyrejax/compilation_cache.py): the cache in the run's
+# workdir, or none (any other value is a directory).
+COMPILATION_CACHE_AUTO = "auto"
+COMPILATION_CACHE_OFF = ("off", "")
 
 # Logical axis -> mesh axis (or None: replicated). Model code names logical axes only.
 ShardingRules = tuple[tuple[str, str | None], ...]
@@ -536,12 +540,29 @@ class Config:
     warmup: WarmupConfig = WarmupConfig()
     generate: GenerateConfig = GenerateConfig()
     seed: int = 0
+    # JAX's persistent compilation cache (gyrejax/compilation_cache.py): compiled programs
+    # kept on disk, so a resumed run, and each process of a run, loads what was compiled
+    # before instead of compiling it again. "auto": `<workdir>/jax_cache` (the run's own,
+    # visible to all its processes like the rest of the workdir, and gone with it); a
+    # directory: shared by every run naming it (e.g. ~/.cache/gyrejax/jax; entries are
+    # keyed by program, jaxlib and devices, so sharing is safe); "off" or "": none. A
+    # process setting, not a stage's, hence top level (launch applies it before anything
+    # compiles, as it does cells.num_cpu_devices). A non-empty $JAX_COMPILATION_CACHE_DIR
+    # wins over it.
+    compilation_cache_dir: str = COMPILATION_CACHE_AUTO
 
     def __post_init__(self):
         # numpy seeds the task draws and admission: it refuses negative seeds, deep in the
         # first rollout; say so here.
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             _fail("seed", self.seed, "expected an integer >= 0")
+        cache = self.compilation_cache_dir
+        if not isinstance(cache, str) or cache != cache.strip() or "://" in cache:
+            _fail(
+                "compilation_cache_dir",
+                cache,
+                f"expected {COMPILATION_CACHE_AUTO!r}, 'off' (or '') or a local directory",
+            )
         # A context may pass the budget by one turn (an answer and an observation) before
         # it is compacted, and the call then adds one more answer.
         h = self.harness

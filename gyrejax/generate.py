@@ -1,7 +1,7 @@
 """Generate from an HF checkpoint with the KV-cache path.
 
   python -m gyrejax.generate --hf_checkpoint DIR --prompt_ids 1,2,3 --max_new_tokens 8 \
-      [--temperature 0] [--seed 0] [--json]
+      [--temperature 0] [--seed 0] [--json] [--compilation_cache_dir DIR]
 
 Prints the new token ids and their log-probs (under the sampling distribution; with
 temperature 0, under the model's distribution). With --json: one JSON object with keys
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _CHECKPOINT = flags.DEFINE_string("hf_checkpoint", None, "HF checkpoint directory.")
 _PROMPT = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
@@ -21,6 +21,12 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.", low
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy.", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
+_CACHE = flags.DEFINE_string(
+    "compilation_cache_dir",
+    "",
+    "Directory of JAX's persistent compilation cache (a second call loads its programs); "
+    "empty: none. $JAX_COMPILATION_CACHE_DIR wins (gyrejax/compilation_cache.py).",
+)
 flags.mark_flags_as_required(["hf_checkpoint", "prompt_ids"])
 
 
@@ -39,6 +45,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     prompt = _parse_ids(_PROMPT.value)
 
+    from gyrejax import compilation_cache
+    from gyrejax.config import ConfigError
+
+    try:  # before anything compiles
+        cache = compilation_cache.enable(_CACHE.value, None, field="--compilation_cache_dir")
+    except ConfigError as e:
+        sys.exit(f"gyrejax.generate: {e}")
     from gyrejax.model.hf_io import CheckpointError, load_hf
     from gyrejax.model.sampling import generate
 
@@ -61,6 +74,8 @@ def main(argv: list[str]) -> None:
     else:
         print("token_ids:", " ".join(map(str, result.token_ids)))
         print("logprobs: ", " ".join(f"{x:.6f}" for x in result.logprobs))
+    if cache is not None:
+        logging.info("%s", cache.describe())
 
 
 if __name__ == "__main__":

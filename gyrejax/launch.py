@@ -95,7 +95,12 @@ def main(argv: list[str]) -> None:
 
     if config.cells.num_cpu_devices:  # per process in a multi-process run
         jax.config.update("jax_num_cpu_devices", config.cells.num_cpu_devices)
-    from gyrejax import distributed
+    from gyrejax import compilation_cache, distributed
+
+    try:  # every process, before its first compile: a resume loads what was compiled
+        cache = compilation_cache.enable(config.compilation_cache_dir, _WORKDIR.value)
+    except ConfigError as e:
+        sys.exit(f"gyrejax.launch: {e}")
 
     try:  # explicit flags, or a cluster JAX detects (SLURM, Open MPI, ...); else nothing
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
@@ -115,6 +120,8 @@ def main(argv: list[str]) -> None:
         where = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
         gc.collect()  # what a failed restore left pending reports now, before the error
         sys.exit(f"gyrejax.launch: {where}{e}")
+    if cache is not None:
+        absl_logging.info("%s", cache.describe())
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ over HTTP and train them when told to. No smoke generations.
 Outputs in `workdir`: `layout.json`, `generations.jsonl`; stage 3 `metrics.jsonl`,
 `checkpoints/`, `hf/step_<n>/`; stage 4 `demonstrations/`, `warmup/`; stage 5
 `executions/`, `metrics.jsonl`, `transitions.jsonl`, `dispatch.jsonl`, `checkpoints/`,
-`cell_roles.png`, `steps.png`, `run_summary.json` (or `rollout_summary.json`).
+`cell_roles.png`, `steps.png`, `run_summary.json` (or `rollout_summary.json`); launch's
+`jax_cache/` (compilation_cache_dir="auto"; run() itself sets no cache: the process's
+entry point does, before its first compile).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from gyrejax.trajectory.buckets import MAX_ALLOWED_LENGTHS
 
 def test_defaults_and_tiny_config_build():
     assert isinstance(from_dict({}), Config)
+    for cache in ("auto", "off", "", "~/.cache/gyrejax/jax", "relative/cache"):
+        assert from_dict({"compilation_cache_dir": cache}).compilation_cache_dir == cache
     config = from_dict(load_config_file("tiny_cpu"))
     assert config.cells.num_cpu_devices == 8 and config.cells.size == 2
     assert config.model.head_dim == 64
@@ -158,6 +160,13 @@ def test_values_are_coerced_to_field_types():
             {"train": {"master_dtype": "bfloat16"}},
             r"^config\.train\.master_dtype='bfloat16': expected one of float32, same$",
         ),
+        (
+            {"compilation_cache_dir": " /tmp/cache"},
+            r"^config\.compilation_cache_dir=' /tmp/cache': expected 'auto', 'off' \(or ''\) "
+            r"or a local directory$",
+        ),
+        ({"compilation_cache_dir": "gs://bucket/cache"}, r"config\.compilation_cache_dir='gs:"),
+        ({"compilation_cache_dir": 0}, r"^config\.compilation_cache_dir=0: expected a string$"),
     ],
 )
 def test_bad_values_name_the_field_and_value(values, message):
@@ -191,6 +200,7 @@ def test_config_is_frozen():
 def test_config_files_list_every_field_so_every_field_can_be_overridden(name, variant):
     config = load_config_file(name, variant)
     sections = typing.get_type_hints(Config)
+    assert set(config.keys()) == set(sections), set(config.keys()) ^ set(sections)
     for name, cls in sections.items():
         if dataclasses.is_dataclass(cls):
             listed, known = set(config[name].keys()), {f.name for f in dataclasses.fields(cls)}

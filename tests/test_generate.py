@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,11 +13,14 @@ from gyrejax.model.hf_io import load_hf
 from gyrejax.model.sampling import generate
 
 
-def run_cli(*args):
+def run_cli(*args, unset=()):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for name in unset:
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, "-m", "gyrejax.generate", *args],
         cwd=REPO_ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -36,14 +40,21 @@ def test_json_output_matches_library(hf_checkpoints):
     np.testing.assert_allclose(printed["logprobs"], want.logprobs, atol=1e-6)
 
 
-def test_sampling_is_reproducible_for_a_seed(hf_checkpoints):
+def test_sampling_is_reproducible_for_a_seed(hf_checkpoints, tmp_path):
+    # With --compilation_cache_dir (and not the suite's $JAX_COMPILATION_CACHE_DIR, which
+    # would win): the second call loads every program the first compiled.
     args = ("--hf_checkpoint", str(hf_checkpoints["qwen2"]), "--prompt_ids", "1,2,3")
+    args += ("--max_new_tokens", "8", "--temperature", "1.0", "--seed", "7", "--json")
+    cache = tmp_path / "cache"
     sampled = [
-        run_cli(*args, "--max_new_tokens", "8", "--temperature", "1.0", "--seed", "7", "--json")
+        run_cli(*args, f"--compilation_cache_dir={cache}", unset=["JAX_COMPILATION_CACHE_DIR"])
         for _ in range(2)
     ]
     assert sampled[0].returncode == 0, sampled[0].stderr[-2000:]
     assert sampled[0].stdout == sampled[1].stdout
+    counts = [re.findall(r"compilation cache: (\d+) of (\d+) programs", s.stderr) for s in sampled]
+    ((loaded, requested),) = counts[1]
+    assert int(requested) > 0 and loaded == requested and counts[0] != counts[1]
 
 
 def test_errors_are_one_line(hf_checkpoints, tmp_path):

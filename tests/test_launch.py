@@ -18,8 +18,12 @@ from gyrejax.train.checkpoint import TrainCheckpointer
 from gyrejax.train.trainer import ElasticTrainer
 
 
-def launch(*args, timeout=300, **environment):
+def launch(*args, timeout=300, unset=(), **environment):
+    """`python -m gyrejax.launch *args` in a subprocess with this environment, plus
+    `environment`, less the variables named in `unset`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **environment)
+    for name in unset:
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, "-m", "gyrejax.launch", *args],
         cwd=REPO_ROOT,
@@ -42,6 +46,10 @@ def test_launch_tiny_cpu_smoke(tmp_path):
     assert [c["devices"] for c in layout["cells"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(c["mesh"] == {"fsdp": 2, "tensor": 1} for c in layout["cells"])
     assert "cell 0 (core)" in result.stderr
+    # The suite's $JAX_COMPILATION_CACHE_DIR wins over the config's "auto".
+    cache = os.path.abspath(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    assert f"compilation cache: {cache} (JAX_COMPILATION_CACHE_DIR)" in result.stderr
+    assert not (tmp_path / "jax_cache").exists()
 
     config = from_dict(load_config_file("tiny_cpu", "smoke"))
     assert layout["model"]["num_params"] == config.model.num_params

@@ -284,6 +284,12 @@ def define_flags() -> None:
         "unset: no weight updates over HTTP.",
     )
     flags.DEFINE_bool("insecure_no_auth", False, "Serve without a token (loopback --host only).")
+    flags.DEFINE_string(
+        "compilation_cache_dir",
+        "",
+        "Directory of JAX's persistent compilation cache (a restarted server loads its "
+        "programs); empty: none. $JAX_COMPILATION_CACHE_DIR wins.",
+    )
     define_limit_flags()
 
 
@@ -297,6 +303,13 @@ def build_engine() -> Engine:
         )
     if not FLAGS.hf_dir:
         raise app.UsageError("--engine=jax needs --hf_dir")
+    from gyrejax import compilation_cache
+    from gyrejax.config import ConfigError
+
+    try:  # before the engine compiles
+        compilation_cache.enable(FLAGS.compilation_cache_dir, None, field="--compilation_cache_dir")
+    except ConfigError as e:
+        raise app.UsageError(str(e)) from None
     from gyrejax.model.hf_io import load_hf
     from gyrejax.rollout.jax_engine import JaxEngine
 
