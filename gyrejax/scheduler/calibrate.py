@@ -32,9 +32,11 @@ tokens, prompt length and engines) and the steps' times:
   * compilation: an engine compiles at its first call of each context bucket (128,
     256, ... prompt tokens; a simulated log without prompt lengths: each turn). A
     compile's window runs from the bucket's first call start on that engine to its
-    first call end there, less that call's modelled decode (at the call's mean rate);
-    windows in which the engine's cell began to switch to training are left out (the
-    compile's end is unseen). With prompt lengths (the real runs' records; the
+    first call end there, less that call's modelled decode (with prompt lengths: its
+    decode work done at the engine's rate just before its end, since only the calls in
+    the bucket wait and the engine's rate meanwhile is not the decode's; without: at the
+    call's mean rate); windows in which the engine's cell began to switch to training
+    are left out (the compile's end is unseen). With prompt lengths (the real runs' records; the
     simulator's context growth): with m windows open at once each progresses at
     1 / (1 + kappa * (m - 1)), kappa (`compile_contention`) the grid point under which
     each bucket's costs alone agree best across engines (identified only where a bucket
@@ -245,8 +247,11 @@ def _shared_work(
     train_cores: float,
     per_engine: bool,
     batch_costs: tuple[float, ...] = (0.0,),
-) -> tuple[np.ndarray, np.ndarray]:
-    """(work of each call: float[batch costs, calls], work of each step: float[steps]).
+    with_integral: bool = False,
+) -> tuple:
+    """(work of each call: float[batch costs, calls], work of each step: float[steps]);
+    `with_integral`: also (times: float[t], each engine's work integral at those times:
+    float[batch costs, engines, t], each call's engine: int[calls]).
 
     A step's work is the integral of share = min(1, cores / demand) over it, demand =
     (engines with a call decoding when `per_engine`, else calls decoding) + train_cores
@@ -285,6 +290,8 @@ def _shared_work(
     )
     start_at, end_at = np.searchsorted(edges, c_start), np.searchsorted(edges, c_end)
     call_work = integral[:, engine, end_at] - integral[:, engine, start_at]
+    if with_integral:
+        return call_work, step_work, (edges, integral, engine)
     return call_work, step_work
 
 
@@ -520,16 +527,26 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     for t in read_jsonl(Path(workdir) / "transitions.jsonl"):
         if t.get("kind") == "to_training":
             drains.setdefault(f"cell{t['cell']}", []).append(t["time_s"] - t["total_s"])
+    with_context = all(c["prompt"] is not None for c in calls)
+    if with_context:  # the decode ends the call: at the rate of its last moments
+        *_, (edges, integral, engine) = _shared_work(
+            calls, steps, cores, train_cores, per_engine, (batch_cost,), with_integral=True
+        )
     windows = []
     for i, start in first:
-        wall = calls[i]["end"] - calls[i]["start"]
-        decode = predicted[i] * wall / max(call_work[i], 1e-12)
-        if not any(start < t < calls[i]["end"] for t in drains.get(calls[i]["engine"], [])):
-            windows.append((calls[i]["shape"], start, max(start, calls[i]["end"] - decode)))
+        end = calls[i]["end"]
+        if any(start < t < end for t in drains.get(calls[i]["engine"], [])):
+            continue
+        if with_context:
+            done = integral[0, engine[i]]
+            end = float(np.interp(np.interp(end, edges, done) - predicted[i], done, edges))
+        else:  # the decode at the call's mean rate
+            wall = calls[i]["end"] - calls[i]["start"]
+            end -= predicted[i] * wall / max(call_work[i], 1e-12)
+        windows.append((calls[i]["shape"], start, max(start, end)))
     # Prompt lengths in the records: engines compile per context bucket (the median over
     # the engines that compiled it; buckets never reached cost nothing), with contention;
     # else per turn, in wall time.
-    with_context = all(c["prompt"] is not None for c in calls)
     contention, by_shape = _fit_contention(windows, CONTENTION_GRID if with_context else (0.0,))
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
     for c, w in zip(calls, normal, strict=True):
