@@ -36,7 +36,9 @@ policy's step reward against wall clock (`--reward_plot`). `--calibrate DIR` fit
 simulator's model to a real run's logs (gyrejax.scheduler.calibrate) and predicts the
 real runs of all three policies (with --real: the ones just run); `--calibrate elastic`
 fits each regime's elastic run and predicts the others of that regime out of sample;
-`--load_model` fits the simulator's load-dependent model (shared cores) instead.
+`--load_model` fits the simulator's load-dependent model (shared cores) instead (from
+records with prompt lengths, as the real runs': calls by work, context growth per call,
+compiles per context bucket; `benchmarks/calibration_bench.py` tabulates the errors).
 Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 

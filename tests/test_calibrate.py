@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from gyrejax.scheduler import calibrate
-from gyrejax.scheduler.simulator import HOUR, SimConfig, simulate
+from gyrejax.scheduler.policies import make_policy
+from gyrejax.scheduler.simulator import HOUR, SimConfig, Simulator, simulate
 
 # A run whose parameters we know: cells sharing one host (as CPU-emulated devices do),
 # engines that hold a request only while it generates, a fixed per-step overhead.
@@ -157,3 +158,94 @@ def test_load_fit_recovers_compilation_and_batching_from_a_simulated_log(tmp_pat
         assert got == pytest.approx(want, rel=0.05), (name, got, want)
     # The engines compile at turns 0 and 2 (wall seconds), not at turn 1.
     np.testing.assert_allclose(fit.engine_compile_s, COMPILE_TRUTH.engine_compile_s, atol=0.3)
+
+
+# Context growth (calls by work, compiles per context bucket, compile contention): the
+# load model's v3 costs, what the real runs' records show.
+CONTEXT_TRUTH = COMPILE_TRUTH.replace(
+    decode_cores=1.5,
+    engine_compile_s=(),
+    context_tokens=70.0,
+    context_per_call=50.0,
+    context_sigma=0.3,
+    call_work_s=0.7,
+    bucket_compile_s=(8.0, 6.0, 5.0),
+)
+
+
+def test_load_fit_recovers_context_growth_and_bucket_compiles(tmp_path):
+    result = simulate(CONTEXT_TRUTH, "elastic")
+    calibrate.write_run_logs(CONTEXT_TRUTH, result, "elastic", tmp_path, startup_s=3.0)
+    fit = calibrate.fit_run(tmp_path, load=True).sim
+    assert fit.engine_compile_s == ()
+    for name in ("context_tokens", "context_per_call", "call_work_s"):
+        got, want = getattr(fit, name), getattr(CONTEXT_TRUTH, name)
+        assert got == pytest.approx(want, rel=0.05), (name, got, want)
+    # Buckets 128, 256, 512 as simulated; 1024 reached by none (or at no cost).
+    got = fit.bucket_compile_s
+    np.testing.assert_allclose(got[:3], CONTEXT_TRUTH.bucket_compile_s, rtol=0.05)
+    assert not any(got[3:])
+    assert fit.compile_contention == 0.0
+    # Sampled: the spread of a few hundred executions' growth.
+    assert fit.context_sigma == pytest.approx(CONTEXT_TRUTH.context_sigma, rel=0.15)
+
+
+def test_contention_fit_tells_concurrent_compiles_from_slow_ones():
+    # Shape 8 compiles alone (10 s) and on two engines at once; shape 9 on three at once
+    # and alone later. Under kappa = 0.5, m at once take 1 + 0.5 (m - 1) times as long.
+    windows = [
+        (8, 0.0, 10.0),
+        (8, 20.0, 35.0),
+        (8, 20.0, 35.0),
+        (9, 50.0, 62.0),
+        (9, 50.0, 62.0),
+        (9, 50.0, 62.0),
+        (9, 70.0, 76.0),
+    ]
+    kappa, alone = calibrate._fit_contention(windows)
+    assert kappa == pytest.approx(0.5)
+    np.testing.assert_allclose(alone[8], [10.0] * 3)
+    np.testing.assert_allclose(alone[9], [6.0] * 4)
+
+
+def test_compiles_land_on_the_executions_that_reach_a_bucket():
+    # Every execution's prompt grows 50 tokens a call from 70: bucket 1 (> 128 tokens)
+    # at its call 2, bucket 2 (> 256) at its call 4. Only executions with that many
+    # calls compile it, on their engines; the old model compiles turn k on every engine.
+    truth = CONTEXT_TRUTH.replace(context_sigma=0.0)
+    simulator = Simulator(truth, make_policy("elastic"))
+    compiled = []  # (execution, its call index, cell, bucket)
+    maybe_compile = simulator._maybe_compile
+
+    def spy(e):
+        before = simulator.compile_left.copy()
+        maybe_compile(e)
+        cell = int(simulator.engine[e])
+        if cell >= 0 and simulator.compile_left[cell] > before[cell]:
+            compiled.append((e, int(simulator.phase[e] // 2), cell, int(simulator.bucket[e])))
+
+    simulator._maybe_compile = spy
+    simulator.run()
+    calls = simulator.trace.calls.reshape(-1)
+    assert {b for *_, b in compiled} == {0, 1, 2}
+    for e, call, _, bucket in compiled:
+        assert call == {0: 0, 1: 2, 2: 4}[bucket] or (bucket == 0 and call < 2)
+        assert calls[e] > call
+    # Most executions are too short to reach bucket 2, and never compile it.
+    assert np.mean(calls >= 5) < 0.5
+    assert len({cell for *_, cell, b in compiled if b == 2}) <= truth.cells
+
+
+def test_context_fields_change_nothing_without_the_load_model():
+    plain = simulate(TRUTH.replace(steps=8), "elastic")
+    fields = {
+        "context_tokens": 70.0,
+        "context_per_call": 50.0,
+        "context_sigma": 0.3,
+        "call_work_s": 0.7,
+        "bucket_compile_s": (6.0, 4.0),
+        "compile_contention": 0.5,
+    }
+    other = simulate(TRUTH.replace(steps=8, **fields), "elastic")
+    assert other.makespan_s == plain.makespan_s
+    assert other.step_end_s == plain.step_end_s

@@ -30,16 +30,35 @@ tokens, prompt length and engines) and the steps' times:
     calls before the first step ended (engines still compiling new shapes), are left
     out of that fit;
   * compilation: an engine compiles at its first call of each context bucket (128,
-    256, ... prompt tokens; a simulated log: each turn): the wall time from the
-    bucket's first call start on that engine to its first call end there, less that
-    call's modelled decode, its median over engines mapped onto the turn whose median
-    call first reaches the bucket (`engine_compile_s`); a cell's first join, its
-    logged joins[].compile_s at the step's mean share (`join_compile_s`); a step at a
-    new trainer width, its work beyond the step fit less its joins' (`train_compile_s`);
-    the first step's work beyond the fit less its joins' (`first_step_s`);
+    256, ... prompt tokens; a simulated log without prompt lengths: each turn). A
+    compile's window runs from the bucket's first call start on that engine to its
+    first call end there, less that call's modelled decode (with prompt lengths: its
+    decode work done at the engine's rate just before its end, since only the calls in
+    the bucket wait and the engine's rate meanwhile is not the decode's; without: at the
+    call's mean rate); windows in which the engine's cell began to switch to training
+    are left out (the compile's end is unseen). With prompt lengths (the real runs' records; the
+    simulator's context growth): with m windows open at once each progresses at
+    1 / (1 + kappa * (m - 1)), kappa (`compile_contention`) the grid point under which
+    each bucket's costs alone agree best across engines (identified only where a bucket
+    compiles at different concurrency in the run; else 0), and `bucket_compile_s` the
+    median cost alone per bucket over the engines whose compile took time (under
+    `COMPILE_MIN_S`: the shape was cached). Without prompt lengths: the median wall
+    time per turn (`engine_compile_s`), mapped onto the turn whose median call first
+    reaches the bucket. A cell's first join: its logged joins[].compile_s at the step's
+    mean share (`join_compile_s`); a step at a new trainer width, its work beyond the
+    step fit less its joins' (`train_compile_s`); the first step's work beyond the fit
+    less its joins' (`first_step_s`);
   * an execution's decode work (the sum over its calls, those starting after the
     first step when there are 20) is the lognormal of durations, `turns` its mean
-    number of calls, the gaps between its calls the tool calls' lognormal.
+    number of calls, the gaps between its calls the tool calls' lognormal (an
+    execution's mean gap, spread over `turns` - 1 tool calls);
+  * with prompt lengths, the calls and context model: `call_work_s` is the work per
+    call under which max(1, round(work / it)) best gives each execution's number of
+    calls; `context_tokens` the median first prompt; `context_per_call` and
+    `context_sigma` the lognormal of each execution's prompt growth per call (least
+    squares on its call index, up to its first compaction). The tool calls: sigma from
+    the executions' mean gaps, the median such that the mean gap is the run's (the
+    gaps one by one are bimodal: many calls follow one another with no tool call).
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model and
 returns its predicted wall time. `write_run_logs` writes a simulated run's logs in the
 runtime's format, so a test can check that fitting recovers known parameters.
@@ -107,6 +126,12 @@ class Fit:
             "engine_compile_s": s.engine_compile_s,
             "train_compile_s": s.train_compile_s,
             "join_compile_s": s.join_compile_s,
+            "context_tokens": s.context_tokens,
+            "context_per_call": s.context_per_call,
+            "context_sigma": s.context_sigma,
+            "call_work_s": s.call_work_s,
+            "bucket_compile_s": s.bucket_compile_s,
+            "compile_contention": s.compile_contention,
             "to_training_s": s.to_training_s,
             "to_rollout_s": s.to_rollout_s,
             "startup_s": self.startup_s,
@@ -200,6 +225,7 @@ def read_calls(workdir: Path) -> list[dict]:
             "execution": h["execution_id"],
             "turn": turn,
             "shape": _shape(turn, c.get("prompt_len")),
+            "prompt": c.get("prompt_len"),
             "start": c["started_at"] - offset,
             "end": c["finished_at"] - offset,
             "tokens": c["output_len"],
@@ -221,8 +247,11 @@ def _shared_work(
     train_cores: float,
     per_engine: bool,
     batch_costs: tuple[float, ...] = (0.0,),
-) -> tuple[np.ndarray, np.ndarray]:
-    """(work of each call: float[batch costs, calls], work of each step: float[steps]).
+    with_integral: bool = False,
+) -> tuple:
+    """(work of each call: float[batch costs, calls], work of each step: float[steps]);
+    `with_integral`: also (times: float[t], each engine's work integral at those times:
+    float[batch costs, engines, t], each call's engine: int[calls]).
 
     A step's work is the integral of share = min(1, cores / demand) over it, demand =
     (engines with a call decoding when `per_engine`, else calls decoding) + train_cores
@@ -261,6 +290,8 @@ def _shared_work(
     )
     start_at, end_at = np.searchsorted(edges, c_start), np.searchsorted(edges, c_end)
     call_work = integral[:, engine, end_at] - integral[:, engine, start_at]
+    if with_integral:
+        return call_work, step_work, (edges, integral, engine)
     return call_work, step_work
 
 
@@ -354,6 +385,85 @@ def _compile_by_turn(
     return tuple(out)
 
 
+CONTENTION_GRID = tuple(np.round(np.linspace(0.0, 2.0, 81), 3))
+COMPILE_MIN_S = 0.5  # a shorter compile window is the decode estimate's noise
+
+
+def _fit_contention(
+    windows: list[tuple[int, float, float]], grid: tuple[float, ...] = CONTENTION_GRID
+) -> tuple[float, dict[int, list[float]]]:
+    """(kappa, each shape's compile seconds alone on each engine that compiled it).
+
+    `windows`: (shape, start, end) of every compilation. With m compiling at once each
+    progresses at 1 / (1 + kappa * (m - 1)) (simulator.py), so a compilation's cost
+    alone is that rate's integral over its window, m counted from the windows; kappa is
+    the grid point under which the costs of each shape agree best across engines (least
+    squares on their logs about each shape's mean)."""
+    starts = np.array([w[1] for w in windows], dtype=float)
+    ends = np.array([w[2] for w in windows], dtype=float)
+    shapes = np.array([w[0] for w in windows])
+    edges = np.unique(np.concatenate([starts, ends]))
+    mid = (edges[:-1] + edges[1:]) / 2
+    compiling = np.searchsorted(np.sort(starts), mid) - np.searchsorted(np.sort(ends), mid)
+    at_start, at_end = np.searchsorted(edges, starts), np.searchsorted(edges, ends)
+    timed = ends - starts >= COMPILE_MIN_S  # (no compile, or too short to tell)
+    best = None
+    for kappa in grid:
+        rate = 1.0 / (1.0 + kappa * np.maximum(compiling - 1, 0))
+        integral = np.concatenate([[0.0], np.cumsum(rate * np.diff(edges))])
+        alone = integral[at_end] - integral[at_start]
+        misfit = 0.0
+        for shape in set(shapes.tolist()):
+            logs = np.log(alone[(shapes == shape) & timed])
+            misfit += float(np.sum((logs - logs.mean()) ** 2)) if len(logs) else 0.0
+        if best is None or misfit < best[0] - 1e-12:
+            best = (misfit, float(kappa), alone)
+    by_shape: dict[int, list[float]] = {}
+    for shape, cost in zip(shapes.tolist(), best[2], strict=True):
+        by_shape.setdefault(shape, []).append(float(cost))
+    return best[1], by_shape
+
+
+def _timed_median(costs: list[float]) -> float:
+    """The median compile cost among those that took time (a shorter one: the shape was
+    in a compilation cache); 0 when none did."""
+    timed = [c for c in costs if c >= COMPILE_MIN_S]
+    return float(np.median(timed)) if timed else 0.0
+
+
+def _fit_context(calls: list[dict]) -> tuple[float, float, float]:
+    """(context_tokens, context_per_call, context_sigma): the median first prompt, and
+    the lognormal of each execution's prompt growth per call (least squares through
+    the origin of its prompt growth on its call index, up to its first compaction: a
+    prompt shorter than the one before; executions with two calls or more)."""
+    by_execution: dict[str, list[tuple[float, int]]] = {}
+    for c in calls:
+        by_execution.setdefault(c["execution"], []).append((c["start"], c["prompt"]))
+    first, rates = [], []
+    for parts in by_execution.values():
+        prompts = np.array([p for _, p in sorted(parts)], dtype=float)
+        first.append(prompts[0])
+        grown = prompts - prompts[0]
+        kept = np.concatenate([[True], np.cumprod(np.diff(grown) >= 0) > 0])
+        index = np.arange(len(grown))[kept]
+        if len(index) > 1:
+            rates.append(float(index @ grown[kept] / (index @ index)))
+    if not rates:
+        return float(np.median(first)), 0.0, 0.0
+    median, sigma = _lognormal(np.maximum(np.array(rates), 1e-3))
+    return float(np.median(first)), median, sigma
+
+
+def _fit_call_work(work: np.ndarray, calls: np.ndarray) -> float:
+    """call_work_s: the work per call under which max(1, round(work / it)) best gives
+    each execution's number of calls (least absolute error over a grid around the
+    median work per call)."""
+    guess = float(np.median(work / calls))
+    grid = guess * np.geomspace(0.5, 2.0, 401)
+    misfit = [np.abs(np.maximum(1, np.round(work / g)) - calls).sum() for g in grid]
+    return float(grid[int(np.argmin(misfit))])
+
+
 def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     """The load model's parameters from a run's calls and steps (module docstring)."""
     tokens = np.array([c["tokens"] for c in calls], dtype=float)
@@ -407,14 +517,37 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     # Each call's work alone on its engine: measured; a call that waited for its
     # engine's compilation gets its modelled work instead.
     normal = np.where(waited, predicted, call_work)
-    # A compilation is wall time: its call's wall time less its decode at the call's share.
-    # (A turn's median over engines; the engines that never ran it are left out.)
-    by_shape: dict[int, list[float]] = {}
+    # A compilation is wall time: from its shape's first call start to the end of the
+    # first call to finish, less that call's decode at the call's share; alone, once
+    # the contention of the compilations running at the same time is taken out.
+    # A window in which its engine's cell began to switch to training is left out: the
+    # compile's end is unseen (its calls moved; the cell's next call, back in rollout,
+    # ends it).
+    drains: dict[str, list[float]] = {}
+    for t in read_jsonl(Path(workdir) / "transitions.jsonl"):
+        if t.get("kind") == "to_training":
+            drains.setdefault(f"cell{t['cell']}", []).append(t["time_s"] - t["total_s"])
+    with_context = all(c["prompt"] is not None for c in calls)
+    if with_context:  # the decode ends the call: at the rate of its last moments
+        *_, (edges, integral, engine) = _shared_work(
+            calls, steps, cores, train_cores, per_engine, (batch_cost,), with_integral=True
+        )
+    windows = []
     for i, start in first:
-        wall = calls[i]["end"] - calls[i]["start"]
-        decode = predicted[i] * wall / max(call_work[i], 1e-12)
-        compile_s = max(0.0, calls[i]["end"] - start - decode)
-        by_shape.setdefault(calls[i]["shape"], []).append(compile_s)
+        end = calls[i]["end"]
+        if any(start < t < end for t in drains.get(calls[i]["engine"], [])):
+            continue
+        if with_context:
+            done = integral[0, engine[i]]
+            end = float(np.interp(np.interp(end, edges, done) - predicted[i], done, edges))
+        else:  # the decode at the call's mean rate
+            wall = calls[i]["end"] - calls[i]["start"]
+            end -= predicted[i] * wall / max(call_work[i], 1e-12)
+        windows.append((calls[i]["shape"], start, max(start, end)))
+    # Prompt lengths in the records: engines compile per context bucket (the median over
+    # the engines that compiled it; buckets never reached cost nothing), with contention;
+    # else per turn, in wall time.
+    contention, by_shape = _fit_contention(windows, CONTENTION_GRID if with_context else (0.0,))
     by_execution: dict[str, list[tuple[float, float, float]]] = {}
     for c, w in zip(calls, normal, strict=True):
         by_execution.setdefault(c["execution"], []).append((c["start"], c["end"], w))
@@ -430,6 +563,29 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
     steady = [w for w, p in zip(work, by_execution.values(), strict=True) if p[0][0] >= first_end]
     median, sigma = _lognormal(np.array(steady if len(steady) >= 20 else work))
     tool_median, tool_sigma = _lognormal(np.array(gaps)) if turns > 1 else (0.0, 0.0)
+    context = {}
+    if with_context:
+        # Calls by work: every gap between two calls is a tool call. The gaps one by one
+        # are bimodal (many calls follow one another with no tool call), so the sigma is
+        # that of an execution's mean gap, and the median keeps the mean gap the run's.
+        pairs = [[b[0] - a[1] for a, b in itertools.pairwise(p)] for p in by_execution.values()]
+        pairs = [g for g in pairs if g]
+        tool_median, tool_sigma = 0.0, 0.0
+        if pairs:
+            tool_sigma = _lognormal(np.array([np.mean(g) for g in pairs]))[1]
+            mean_gap = float(np.mean(np.concatenate(pairs)))
+            tool_median = mean_gap * float(np.exp(-(tool_sigma**2) / 2))
+        tokens0, per_call, context_sigma = _fit_context(calls)
+        counts = np.array([len(p) for p in by_execution.values()])
+        buckets = range(SHAPE_MIN_LOG2, max(by_shape) + 1)
+        context = {
+            "context_tokens": tokens0,
+            "context_per_call": per_call,
+            "call_work_s": _fit_call_work(np.array(work), counts),
+            "context_sigma": context_sigma,
+            "bucket_compile_s": tuple(_timed_median(by_shape.get(b, [])) for b in buckets),
+            "engine_compile_s": (),
+        }
     deloaded = [dict(s, step_s=float(w)) for s, w in zip(steps, step_work, strict=True)]
     fitted_steps = [deloaded[k] for k in steady_steps] or deloaded[1:] or deloaded
     per_token_s, overhead, parallel, residual = _fit_steps(fitted_steps)
@@ -459,12 +615,14 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         "duration_median_s": median,
         "duration_sigma": sigma,
         "turns": turns,
-        "tool_median_s": tool_median if turns > 1 else 0.0,
-        "tool_sigma": tool_sigma if turns > 1 else 0.0,
+        "tool_median_s": tool_median if turns > 1 or with_context else 0.0,
+        "tool_sigma": tool_sigma if turns > 1 or with_context else 0.0,
         "train_s_per_token": per_token_s,
         "step_overhead_s": overhead,
         "train_parallel": bool(parallel),
         "first_step_s": max(0.0, float(extra(0) - join_work[0])),
+        "compile_contention": contention,
+        **context,
         "residual": residual,
         "identified": parallel is not None,
     }
@@ -625,8 +783,8 @@ def write_run_logs(
     (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     if log.get("calls"):
         by_execution: dict[int, list] = {}
-        for e, start, end, work, engine in log["calls"]:
-            by_execution.setdefault(e, []).append((start, end, work, engine))
+        for e, start, end, work, engine, prompt in log["calls"]:
+            by_execution.setdefault(e, []).append((start, end, work, engine, prompt))
         (workdir / "executions").mkdir(exist_ok=True)
         for e, parts in by_execution.items():
             execution_id = f"g{e // n}/{e % n}"
@@ -637,8 +795,9 @@ def write_run_logs(
                     "finished_at": startup_s + end,
                     "output_len": max(1, round(work * TOKENS_PER_WORK_S)),
                     "engines": [f"cell{i}" for i in dict.fromkeys(engine)],
+                    **({} if prompt is None else {"prompt_len": prompt}),
                 }
-                for i, (start, end, work, engine) in enumerate(parts)
+                for i, (start, end, work, engine, prompt) in enumerate(parts)
             ]
             header = json.dumps({"execution_id": execution_id, "calls": calls}).encode()
             path = workdir / "executions" / f"{escape_id(execution_id)}.gxr"

@@ -76,7 +76,26 @@ first step (compilation). Also in the load model, the runtime's other costs:
     seconds (XLA compiles on about one thread; the engine still counts as one demand);
     the trainer's first step adds `first_step_s` of work, a step at a trainer width not
     seen before `train_compile_s`, a cell joining training for the first time
-    `join_compile_s` (work, so it competes for the cores).
+    `join_compile_s` (work, so it competes for the cores);
+  * calls by work (`call_work_s` > 0; replaces `turns`): an execution of decode work w
+    makes max(1, round(w / call_work_s)) calls (decode phases of equal work, tool calls
+    between), so long executions make more calls and short ones finish in one or two,
+    as the real agents do (their calls and output tokens correlate at 0.86);
+  * context growth (`context_tokens` > 0; replaces compiling per turn): an execution's
+    prompt is `context_tokens` at its first call and grows by `context_per_call` tokens
+    a call (its output and the tool result it brings) times its own lognormal factor
+    (median 1, sigma `context_sigma`): context_tokens + context_per_call * factor * k at
+    its call k (no compaction: prompts only grow). An engine compiles when a decode
+    phase it serves begins in a context bucket (prompts up to 128, 256, 512, ...
+    tokens: the real engines' shapes) it has not compiled: `bucket_compile_s[i]` wall
+    seconds for bucket 128 * 2 ** i (past the tuple's end: nothing, as for a bucket the
+    calibration run never reached). So compiles land on the executions that reach a
+    bucket, those with many calls, and on their engines only. As the real engines
+    (`precompile`: a background compiler), only the engine's calls in a bucket being
+    compiled wait; its other calls go on. Compiles queued on one engine end together;
+  * compile contention (`compile_contention` = kappa): with m engines compiling at
+    once, each compilation progresses at 1 / (1 + kappa * (m - 1)) of its speed alone
+    (its cost is wall seconds alone); kappa = 0: compilations never slow each other.
 
 Bounds: `lower_bound_s` is the work over the cells; `makespan_bound_s` also accounts for
 the staleness gate's critical path and the pipeline fill, and holds for any publication
@@ -104,6 +123,7 @@ from gyrejax.scheduler.policies import (
 )
 
 HOUR = 3600.0
+BUCKETS = 32  # context buckets 128 * 2 ** i, i < 32
 WORKLOADS = ("static", "drift", "mixed")
 
 
@@ -146,7 +166,8 @@ class SimConfig:
       decode_cores: > 0: the load-dependent model (module docstring), with this many
         cores shared by decoding executions and training; 0: the old model.
       train_cores: load model: the cores a running training step asks for.
-      turns: load model: decode phases per execution (turns - 1 tool calls between).
+      turns: load model: decode phases per execution (turns - 1 tool calls between;
+        with `call_work_s`, by work instead).
       tool_median_s, tool_sigma: load model: lognormal wall time of one tool call
         (median 0: none).
       first_step_s: extra seconds of work of the first step (compilation).
@@ -162,6 +183,20 @@ class SimConfig:
         the engine's decoding waits for it. Wall time, not shared work: XLA compiles on
         about one thread (the real runs: one engine alone ~11 s, four at once 14-18 s);
         a compiling engine still counts as one demand (per_engine).
+      context_tokens: load model: > 0: the prompt tokens of an execution's first call,
+        and engines compile per context bucket (`bucket_compile_s`, module docstring)
+        instead of per turn (`engine_compile_s` unused); 0: per turn.
+      context_per_call: load model: prompt tokens an execution adds per call ...
+      context_sigma: ... times a lognormal factor per execution (median 1, this sigma).
+      call_work_s: load model: > 0: an execution makes max(1, round(work / this))
+        decode phases (calls) of equal work instead of `turns` (long executions make
+        more calls, as the real agents do); 0: `turns`.
+      bucket_compile_s: load model with context_tokens: per context bucket i (prompts
+        up to 128 * 2 ** i tokens), the wall seconds an engine alone compiles before
+        its first decode in that bucket (its calls in that bucket wait); past the end:
+        none.
+      compile_contention: load model: kappa; m engines compiling at once each compile
+        at 1 / (1 + kappa * (m - 1)) of their speed alone.
       train_compile_s: load model: seconds of work added to the first step at each new
         trainer width after the first step (a new sharding compiles).
       join_compile_s: load model: seconds of work added to a running step when a cell
@@ -203,6 +238,12 @@ class SimConfig:
     engine_compile_s: tuple[float, ...] = ()
     train_compile_s: float = 0.0
     join_compile_s: float = 0.0
+    context_tokens: float = 0.0
+    context_per_call: float = 0.0
+    context_sigma: float = 0.0
+    call_work_s: float = 0.0
+    bucket_compile_s: tuple[float, ...] = ()
+    compile_contention: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -237,12 +278,18 @@ class SimConfig:
             "first_step_s",
             "train_compile_s",
             "join_compile_s",
+            "context_tokens",
+            "context_per_call",
+            "context_sigma",
+            "call_work_s",
+            "compile_contention",
         )
         for name in costs:
             if getattr(self, name) < 0:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 0")
-        if any(not t >= 0 for t in self.engine_compile_s):
-            raise ValueError(f"sim.engine_compile_s={self.engine_compile_s}, expected >= 0")
+        for name in ("engine_compile_s", "bucket_compile_s"):
+            if any(not t >= 0 for t in getattr(self, name)):
+                raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 0")
         if not 0 <= self.batch_cost <= 1:
             raise ValueError(f"sim.batch_cost={self.batch_cost}, expected in [0, 1]")
         if self.workload not in WORKLOADS:
@@ -281,6 +328,10 @@ class Trace:
       factor: float64[groups], the workload factor of each group (1 when static).
       tool_s: load model only: float64[groups, group_size, turns - 1], the wall time of
         each tool call (None: none).
+      context_factor: load model with context growth only: float64[groups, group_size],
+        each execution's context growth factor (None: 1 for all).
+      calls: load model with `call_work_s` only: int64[groups, group_size], each
+        execution's decode phases (None: `turns` for all).
     """
 
     duration_s: np.ndarray
@@ -288,6 +339,8 @@ class Trace:
     timed_out: np.ndarray
     factor: np.ndarray | None = None
     tool_s: np.ndarray | None = None
+    context_factor: np.ndarray | None = None
+    calls: np.ndarray | None = None
     # makespan_bound_s per schedule, so that a sweep over policies computes it once.
     bounds: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -324,13 +377,21 @@ def make_trace(config: SimConfig, seed: int | None = None) -> Trace:
     # factor only as factor ** token_exponent.
     weight = duration / factor * factor**config.token_exponent * noise
     tokens = config.tokens_mean * weight / weight.mean()
+    calls = None
+    if config.load_model and config.call_work_s > 0:
+        calls = np.maximum(1, np.round(duration / config.call_work_s)).astype(np.int64)
+    most = config.turns if calls is None else int(calls.max())
     tool = None
-    if config.load_model and config.turns > 1 and config.tool_median_s > 0:
+    if config.load_model and most > 1 and config.tool_median_s > 0:
         # Its own stream, so that the durations and tokens are those of the old model.
         tool_rng = np.random.default_rng([config.seed if seed is None else seed, 1])
-        normal = tool_rng.standard_normal((*shape, config.turns - 1))
+        normal = tool_rng.standard_normal((*shape, most - 1))
         tool = config.tool_median_s * np.exp(config.tool_sigma * normal)
-    return Trace(duration, tokens, raw >= timeout, factor[:, 0], tool)
+    context = None
+    if config.load_model and config.context_tokens > 0 and config.context_sigma > 0:
+        context_rng = np.random.default_rng([config.seed if seed is None else seed, 2])
+        context = np.exp(config.context_sigma * context_rng.standard_normal(shape))
+    return Trace(duration, tokens, raw >= timeout, factor[:, 0], tool, context, calls)
 
 
 def lower_bound_s(config: SimConfig, trace: Trace) -> float:
@@ -610,16 +671,22 @@ class Simulator:
         # Load model: each execution's phase (even: decoding, odd: a tool call), what is
         # left of it (work or wall seconds), when it began, and the decode phases logged.
         self.phase = np.zeros(total, dtype=np.int64)
-        self.left = self.remaining / config.turns
+        calls = self.trace.calls
+        self.turns = np.full(total, config.turns) if calls is None else calls.reshape(-1)
+        self.left = self.remaining / self.turns
         self.phase_since = np.zeros(total)
-        # (execution, start, end, work, (engine cell at its start, at its end))
-        self.calls: list[tuple[int, float, float, float, tuple[int, int]]] = []
+        # (execution, start, end, work, (engine cell at its start, at its end), prompt
+        # tokens with context growth, else None)
+        self.calls: list[tuple[int, float, float, float, tuple[int, int], int | None]] = []
         # Load model, per engine: executions migrate between engines, each engine compiles
         # before its first decode of each turn, the trainer per new width and first join.
         self.engine = np.full(total, -1, dtype=np.int64)
         self.call_engine = np.full(total, -1, dtype=np.int64)  # where its phase began
         self.compile_left = np.zeros(k)
-        self.engine_compiled: set[tuple[int, int]] = set()  # (cell, turn)
+        # With context growth: the buckets each engine is compiling, each execution's.
+        self.pending = np.zeros((k, BUCKETS), dtype=bool)
+        self.bucket = np.zeros(total, dtype=np.int64)
+        self.engine_compiled: set[tuple[int, int]] = set()  # (cell, turn or bucket)
         self.widths_seen: set[int] = set()
         self.joined_once = [False] * k
         self.join_log: list[tuple[int, int, float]] = []  # (step, cell, compile wall s)
@@ -762,7 +829,8 @@ class Simulator:
                     self._due = int(running[i])
             compiling = np.flatnonzero(self.compile_left > 0)
             if len(compiling):
-                when = self.now + float(self.compile_left[compiling].min())
+                rate = self._compile_rate()
+                when = self.now + float(self.compile_left[compiling].min()) / rate
                 if when < best:
                     best, kind = when, "compile"
             return best, kind
@@ -804,8 +872,21 @@ class Simulator:
             rates = self._rates(running, share)
             self.left[running] = np.maximum(0.0, self.left[running] - dt * rates)
         if c.load_model:
-            self.compile_left = np.maximum(0.0, self.compile_left - dt)
+            self.compile_left = np.maximum(0.0, self.compile_left - dt * self._compile_rate())
         self.now = when
+
+    def _compile_rate(self) -> float:
+        """Load model: the speed of each compilation with m engines compiling at once,
+        1 / (1 + compile_contention * (m - 1)) (module docstring)."""
+        compiling = int(np.count_nonzero(self.compile_left > 0))
+        return 1.0 / (1.0 + self.config.compile_contention * max(compiling - 1, 0))
+
+    def _prompt(self, e: int) -> int:
+        """Load model with context growth: the prompt tokens of `e`'s current decode
+        phase (module docstring)."""
+        c = self.config
+        factor = 1.0 if self.trace.context_factor is None else self.trace.context_factor.flat[e]
+        return round(c.context_tokens + c.context_per_call * factor * (self.phase[e] // 2))
 
     def _share(self) -> float:
         """Load model: the speed (0, 1] of everything on the shared cores (module
@@ -839,7 +920,11 @@ class Simulator:
             batch = np.bincount(engine[decoding & (engine >= 0)], minlength=c.cells)
             cost = (1 - c.batch_cost) + c.batch_cost * np.maximum(batch[np.maximum(engine, 0)], 1)
             rates = np.where(decoding, share / cost, 1.0)
-        stalled = decoding & (engine >= 0) & (self.compile_left[np.maximum(engine, 0)] > 0)
+        cell = np.maximum(engine, 0)
+        if c.context_tokens > 0:  # only the calls whose bucket is compiling wait
+            stalled = decoding & (engine >= 0) & self.pending[cell, self.bucket[running]]
+        else:  # the whole engine waits
+            stalled = decoding & (engine >= 0) & (self.compile_left[cell] > 0)
         return np.where(stalled, 0.0, rates)
 
     def _assign_engine(self, e: int) -> None:
@@ -857,40 +942,50 @@ class Simulator:
         self.engine[e] = cell
 
     def _maybe_compile(self, e: int) -> None:
-        """Load model: an engine's first decode of a turn compiles (the turn's longer
-        contexts are a new shape); the engine's decoding waits for it. Asked when a
-        decode phase begins (an execution migrating mid-phase compiles nothing, so that
-        each compilation begins at a logged call's start, as the fit assumes)."""
-        cell, turn = int(self.engine[e]), int(self.phase[e] // 2)
-        if cell >= 0 and self.phase[e] % 2 == 0 and (cell, turn) not in self.engine_compiled:
-            self.engine_compiled.add((cell, turn))
-            costs = self.config.engine_compile_s
-            self.compile_left[cell] += costs[turn] if turn < len(costs) else 0.0
+        """Load model: an engine's first decode of a turn (with context growth: of a
+        context bucket) compiles, a new shape; the engine's decoding waits for it (with
+        context growth: only its calls in that bucket). Asked
+        when a decode phase begins (an execution migrating mid-phase compiles nothing, so
+        that each compilation begins at a logged call's start, as the fit assumes)."""
+        c = self.config
+        cell, shape = int(self.engine[e]), int(self.phase[e] // 2)
+        costs = c.engine_compile_s
+        if c.context_tokens > 0:  # bucket i holds prompts up to 128 * 2 ** i tokens
+            shape = min(BUCKETS - 1, max(0, int(np.ceil(np.log2(max(self._prompt(e), 1)))) - 7))
+            costs = c.bucket_compile_s
+            self.bucket[e] = shape
+        if cell >= 0 and self.phase[e] % 2 == 0 and (cell, shape) not in self.engine_compiled:
+            self.engine_compiled.add((cell, shape))
+            cost = costs[shape] if shape < len(costs) else 0.0
+            self.compile_left[cell] += cost
+            self.pending[cell, shape] = c.context_tokens > 0 and cost > 0
 
     def _finish_compile(self) -> None:
         """Load model: the engine whose compilation is due is ready."""
         # (_advance already brought it to about 0; others compiling go on)
         self.compile_left[self.compile_left < 1e-9] = 0.0
+        self.pending[self.compile_left == 0] = False  # (its buckets finish together)
 
     def _finish_phase(self) -> None:
         """Load model: the due execution ends a decode phase or a tool call."""
         c, e = self.config, self._due
         self._due = None
         if self.phase[e] % 2 == 0:
-            work = self.trace.duration_s.reshape(-1)[e] / c.turns
+            work = self.trace.duration_s.reshape(-1)[e] / self.turns[e]
             engines = (int(self.call_engine[e]), int(self.engine[e]))
-            self.calls.append((e, self.phase_since[e], self.now, work, engines))
+            prompt = self._prompt(e) if c.context_tokens > 0 else None
+            self.calls.append((e, self.phase_since[e], self.now, work, engines, prompt))
         self.phase[e] += 1
         self.phase_since[e] = self.now
-        if self.phase[e] >= 2 * c.turns - 1:
+        if self.phase[e] >= 2 * self.turns[e] - 1:
             self._finish_execution(e)
         elif self.phase[e] % 2 == 1:
             tool = self.trace.tool_s
             self.left[e] = (
-                0.0 if tool is None else tool.reshape(-1, c.turns - 1)[e, self.phase[e] // 2]
+                0.0 if tool is None else tool.reshape(-1, tool.shape[-1])[e, self.phase[e] // 2]
             )
         else:
-            self.left[e] = self.trace.duration_s.reshape(-1)[e] / c.turns
+            self.left[e] = self.trace.duration_s.reshape(-1)[e] / self.turns[e]
             self.call_engine[e] = self.engine[e]
             self._maybe_compile(e)
 

@@ -1,0 +1,94 @@
+"""Calibration benchmark: the simulator's load model fitted to one real run, predicting the
+others (issue 14, goal 5: predicted vs measured makespan within 10%).
+
+Usage:
+  python benchmarks/calibration_bench.py [--real_workdir DIR] [--regimes compute,latency]
+                                         [--sources elastic_mu_1,colocate_mu_1]
+                                         [--exclude latency/async_1_mu_2,...] [--json PATH]
+
+Reads the real tiny CPU runs that `benchmarks/schedule_bench.py --real` left in
+`--real_workdir` (DIR/<regime>/<run>; it runs nothing), fits the load model
+(`calibrate.fit_run(..., load=True)`) to each source run of each regime, predicts every
+run of that regime (`calibrate.predict`) and prints predicted / measured wall time per
+run, with the largest and mean |ratio - 1| over the runs out of sample (the source and
+the `--exclude`d runs left out; by default the latency regime's mu = 2 async and elastic
+runs, which ran under heavy external load). About 25 s per fit on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from gyrejax.scheduler import calibrate
+
+RUNS = (
+    "colocate_mu_1",
+    "async_1_mu_1",
+    "async_2_mu_1",
+    "async_3_mu_1",
+    "elastic_mu_1",
+    "colocate_mu_2",
+    "async_1_mu_2",
+    "async_2_mu_2",
+    "async_3_mu_2",
+    "elastic_mu_2",
+)
+LOADED = "latency/async_1_mu_2,latency/async_2_mu_2,latency/async_3_mu_2,latency/elastic_mu_2"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real_workdir", default="/work/bench/real")
+    parser.add_argument("--regimes", default="compute,latency")
+    parser.add_argument("--sources", default="elastic_mu_1,colocate_mu_1")
+    parser.add_argument("--exclude", default=LOADED, help="regime/run, comma-separated")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    root, excluded = Path(args.real_workdir), set(args.exclude.split(","))
+    report = {}
+    for regime in args.regimes.split(","):
+        runs = {name: calibrate.read_run(root / regime / name) for name in RUNS}
+        for source in args.sources.split(","):
+            fit = calibrate.fit_run(root / regime / source, load=True)
+            ratios = {
+                name: calibrate.predict(fit, run) / run["wall_s"] for name, run in runs.items()
+            }
+            errors = [
+                abs(r - 1)
+                for name, r in ratios.items()
+                if name != source and f"{regime}/{name}" not in excluded
+            ]
+            report[f"{regime}/{source}"] = {
+                "ratios": ratios,
+                "max_error": max(errors),
+                "mean_error": float(np.mean(errors)),
+                "fit": fit.summary(),
+            }
+    print("| run | " + " | ".join(f"{k} fit" for k in report) + " |")
+    print("|---|" + "---|" * len(report))
+    for name in RUNS:
+        cells = []
+        for key, r in report.items():
+            regime, source = key.split("/")
+            mark = (
+                " (fitted)"
+                if name == source
+                else (" (excl.)" if f"{regime}/{name}" in excluded else "")
+            )
+            cells.append(f"{r['ratios'][name]:.2f}{mark}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(
+        "| max / mean error | "
+        + " | ".join(f"{r['max_error']:.2f} / {r['mean_error']:.2f}" for r in report.values())
+        + " |"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
