@@ -2,7 +2,7 @@
 others (issue 14, goal 5: predicted vs measured makespan within 10%).
 
 Usage:
-  python benchmarks/calibration_bench.py [--real_workdir DIR] [--regimes compute,latency]
+  python benchmarks/calibration_bench.py --real_workdir DIR [--regimes compute,latency]
                                          [--sources elastic_mu_1,colocate_mu_1]
                                          [--exclude latency/async_1_mu_2,...] [--json PATH]
 
@@ -42,7 +42,7 @@ LOADED = "latency/async_1_mu_2,latency/async_2_mu_2,latency/async_3_mu_2,latency
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--real_workdir", default="/work/bench/real")
+    parser.add_argument("--real_workdir", required=True, help="schedule_bench --real's")
     parser.add_argument("--regimes", default="compute,latency")
     parser.add_argument("--sources", default="elastic_mu_1,colocate_mu_1")
     parser.add_argument("--exclude", default=LOADED, help="regime/run, comma-separated")
