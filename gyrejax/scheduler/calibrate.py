@@ -76,7 +76,13 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.logs import read_jsonl
-from gyrejax.scheduler.simulator import SimConfig, SimResult, simulate
+from gyrejax.scheduler.simulator import (
+    SMALLEST_BUCKET_LOG2,
+    SimConfig,
+    SimResult,
+    context_bucket,
+    simulate,
+)
 from gyrejax.trajectory.store import MAGIC, escape_id, read_header
 
 IQR_PER_SIGMA = 1.3489795  # the interquartile range of a standard normal
@@ -303,16 +309,13 @@ def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]
     return coef, float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
 
 
-SHAPE_MIN_LOG2 = 7  # the engines' smallest context bucket, 128 tokens
-
-
 def _shape(turn: int, prompt_len: int | None) -> int:
     """The shape an engine compiles a call for: its context's power-of-two bucket (the
     real runs' engines compile when a prompt first crosses 128, 256, ... tokens); a log
     without prompt lengths (simulated): its turn."""
     if prompt_len is None:
         return turn
-    return max(SHAPE_MIN_LOG2, int(np.ceil(np.log2(max(prompt_len, 1)))))
+    return SMALLEST_BUCKET_LOG2 + context_bucket(prompt_len)
 
 
 def _compile_calls(calls: list[dict]) -> tuple[np.ndarray, list[tuple[int, float]]]:
@@ -577,7 +580,7 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
             tool_median = mean_gap * float(np.exp(-(tool_sigma**2) / 2))
         tokens0, per_call, context_sigma = _fit_context(calls)
         counts = np.array([len(p) for p in by_execution.values()])
-        buckets = range(SHAPE_MIN_LOG2, max(by_shape) + 1)
+        buckets = range(SMALLEST_BUCKET_LOG2, max(by_shape) + 1)
         context = {
             "context_tokens": tokens0,
             "context_per_call": per_call,

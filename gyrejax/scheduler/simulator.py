@@ -124,7 +124,15 @@ from gyrejax.scheduler.policies import (
 
 HOUR = 3600.0
 BUCKETS = 32  # context buckets 128 * 2 ** i, i < 32
+SMALLEST_BUCKET_LOG2 = 7  # the engines' smallest context bucket, 128 tokens
 WORKLOADS = ("static", "drift", "mixed")
+
+
+def context_bucket(prompt_tokens: int) -> int:
+    """The context bucket i of a prompt: prompts up to 128 * 2 ** i tokens (the real
+    engines' power-of-two shapes, which each compile once per engine)."""
+    log2 = int(np.ceil(np.log2(max(prompt_tokens, 1))))
+    return min(BUCKETS - 1, max(0, log2 - SMALLEST_BUCKET_LOG2))
 
 
 class SimulationError(RuntimeError):
@@ -951,7 +959,7 @@ class Simulator:
         cell, shape = int(self.engine[e]), int(self.phase[e] // 2)
         costs = c.engine_compile_s
         if c.context_tokens > 0:  # bucket i holds prompts up to 128 * 2 ** i tokens
-            shape = min(BUCKETS - 1, max(0, int(np.ceil(np.log2(max(self._prompt(e), 1)))) - 7))
+            shape = context_bucket(self._prompt(e))
             costs = c.bucket_compile_s
             self.bucket[e] = shape
         if cell >= 0 and self.phase[e] % 2 == 0 and (cell, shape) not in self.engine_compiled:
