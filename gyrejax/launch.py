@@ -39,14 +39,21 @@ def _unknown_override(argv: list[str], error: Exception) -> str:
     newline in it, so the culprit is found by checking each override's path instead."""
     from gyrejax.config import unknown_field
 
-    for arg in argv:
-        if arg.startswith("--config."):
-            problem = unknown_field(arg.removeprefix("--config.").split("=", 1)[0])
-            if problem:
-                return problem
+    paths = [a.removeprefix("--config.").split("=", 1)[0] for a in argv]
+    paths = [p for a, p in zip(argv, paths, strict=True) if a.startswith("--config.")]
+    for path in paths:
+        problem = unknown_field(path)
+        if problem:
+            return problem
     while error.args and isinstance(error.args[0], Exception):  # ml_collections' own words
         error = error.args[0]
     words = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+    for path in paths:  # a real field that the config file leaves to its default
+        if repr(path.rsplit(".", 1)[-1]) in words:
+            return (
+                f"config: {path!r} is a field the config file does not list, so "
+                f"--config.{path} has nothing to override; add it to the file"
+            )
     return f"config: {' '.join(words.split())}"
 
 

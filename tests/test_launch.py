@@ -104,6 +104,34 @@ def test_bwrap_sandbox_without_bubblewrap_exits_with_one_clear_line(tmp_path):
     assert not (tmp_path / "layout.json").exists()  # refused before anything was built
 
 
+def test_override_of_a_field_the_config_file_leaves_out_names_it(tmp_path):
+    """A config file may leave fields to their defaults; overriding one of those names the
+    field and the fix, not ml_collections' bare KeyError."""
+    config = tmp_path / "short.py"
+    config.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('tiny', {str(REPO_ROOT)!r} + "
+        "'/configs/tiny_cpu.py')\n"
+        "tiny = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(tiny)\n"
+        "def get_config():\n"
+        "    c = tiny.get_config('smoke')\n"
+        "    del c.train['weight_decay']\n"
+        "    return c\n"
+    )
+    result = launch(
+        "--config", str(config), "--workdir", str(tmp_path / "work"),
+        "--config.train.weight_decay=0.1",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "gyrejax.launch: config: 'train.weight_decay' is a field the config file does not "
+        "list, so --config.train.weight_decay has nothing to override; add it to the file"
+    ), last
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
