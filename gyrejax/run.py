@@ -198,11 +198,12 @@ def _run_processes(config: Config, out: Path, cells: list[Cell]) -> dict:
         return {"process": 0, "step": trainer.step, "last": result.last_metrics}
 
     start = Decisions("gyrejax/start", timeout_s=processes.FOLLOWER_TIMEOUT_S)
-    # One engine token per run, drawn by process 0 before anything else is handed over.
+    # One engine token per run, drawn by process 0 before anything else is handed over;
+    # the followers get its digest only.
     if leader:
         token = processes.share_engine_token(start)
     else:
-        token = processes.receive_engine_token(start)
+        token_sha256 = processes.receive_engine_token_digest(start)
     trainer = None
     if leader and config.warmup.steps:  # on process 0's cells, then handed over
         trainer = ElasticTrainer(model, cells[0], rl=config.rl, train=config.train)
@@ -225,7 +226,7 @@ def _run_processes(config: Config, out: Path, cells: list[Cell]) -> dict:
             trainer.precompile(cell)
         weights_dir = processes.published_dir(out)
         return processes.serve_and_follow(
-            config, cells, model, trainer, token=token, weights_dir=weights_dir
+            config, cells, model, trainer, token_sha256=token_sha256, weights_dir=weights_dir
         )
     engines = processes.RemoteCellEngines(config.rollout, decisions, token)
     try:

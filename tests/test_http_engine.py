@@ -22,6 +22,7 @@ from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.rollout.types import SamplingParams
 from gyrejax.serve.engine_server import EngineServer, scripted_answer
+from gyrejax.serve.http import token_digest
 from gyrejax.serve.http_engine import HttpEngine
 
 CONFIG = ModelConfig(
@@ -359,3 +360,33 @@ def test_engine_servers_need_the_token_and_load_weights_only_from_their_director
     )  # fmt: skip
     assert run.returncode != 0
     assert "no token: give --token or set GYREJAX_ENGINE_TOKEN" in run.stderr, run.stderr
+
+
+def test_a_server_holding_only_the_token_digest_admits_the_token_alone():
+    """A multi-process run's followers learn the engine token over the coordinator's
+    unauthenticated key-value store, so they are given its digest: their servers admit
+    the token, and refuse a wrong one and the digest itself (what a reader of the store
+    could send)."""
+    engine = ScriptedEngine("e", scripted_answer)
+    digest = token_digest(ENGINE_TOKEN)
+
+    async def body():
+        server = EngineServer(engine, token=None, token_sha256=digest)
+        url = await server.start()
+        try:
+            async with httpx.AsyncClient(base_url=f"{url}/v1/engine") as http:
+                return {
+                    key: (await http.get("status", headers={"Authorization": f"Bearer {key}"}))
+                    for key in (ENGINE_TOKEN, digest, "not-the-engine-token-0123")
+                }
+        finally:
+            await server.stop()
+
+    answers = asyncio.run(body())
+    assert answers[ENGINE_TOKEN].status_code == 200, answers[ENGINE_TOKEN].text
+    for refused in (digest, "not-the-engine-token-0123"):
+        assert answers[refused].status_code == 401, refused
+    with pytest.raises(ValueError, match="not both"):
+        EngineServer(engine, token=ENGINE_TOKEN, token_sha256=digest)
+    with pytest.raises(ValueError, match="not a SHA-256"):
+        EngineServer(engine, token=None, token_sha256=ENGINE_TOKEN)

@@ -5,6 +5,7 @@ satellite of the other process trains, leaves at a step boundary, and rejoins a 
 step. The RL loop runs through `launch/local.sh` with process 1's engine serving every
 model call over HTTP and its satellite training in every step."""
 
+import hashlib
 import json
 import os
 import pathlib
@@ -352,3 +353,35 @@ def start_logprobs(workdir, call) -> np.ndarray:
 
 
 _START: dict = {}
+
+
+KEY_VALUE_STORE = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(sys.argv[1], num_processes=1, process_id=0)
+from jax._src.distributed import global_state
+from gyrejax.distributed import rl
+from gyrejax.distributed.runtime import Decisions
+start = Decisions("gyrejax/start")
+token = rl.share_engine_token(start)
+store = global_state.client.key_value_dir_get("gyrejax/")
+print(json.dumps({"token": token, "store": store, "digest": rl.receive_engine_token_digest(start)}))
+"""
+
+
+def test_the_key_value_store_carries_the_engine_tokens_digest_not_the_token():
+    """JAX's coordinator service has no authentication: whoever reaches its port reads
+    the store. Process 0 keeps the engine token and puts only its digest there (the
+    followers' servers check against it; the launch test above runs them)."""
+    run = subprocess.run(
+        [sys.executable, "-c", KEY_VALUE_STORE, f"127.0.0.1:{free_port()}"],
+        cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    token, store = shared["token"], shared["store"]
+    assert len(token) >= 43 and store, shared
+    assert all(token not in key + value for key, value in store), store
+    assert shared["digest"] == hashlib.sha256(token.encode()).hexdigest()

@@ -25,12 +25,14 @@ Start: every process builds the same initial model (the seed, or `model.hf_check
 With a warm start, process 0 runs it on its own cells while the others wait, then hands
 them the weights as an Orbax snapshot (`workdir/snapshots/start`).
 
-Engine access: process 0 draws one token per run (`secrets`) and hands it to the others
-on the coordinator's key-value store; their engine servers require it on every request
-and process 0's `HttpEngine`s send it, and they load weights only from
-`workdir/published` (symlinks resolved). The token is never logged. The key-value store
-itself is JAX's coordinator service, which has no authentication: the coordinator port
-must be reachable by the job's hosts only.
+Engine access: process 0 draws one token per run (`secrets`) and keeps it; its
+`HttpEngine`s send it. The others get only its SHA-256 digest, on the coordinator's
+key-value store, and their engine servers check every request against that digest and
+load weights only from `workdir/published` (symlinks resolved). JAX's coordinator
+service has no authentication, so whoever reaches its port can read the store: they
+find the digest, which admits nobody. (They could still write to the store or stop the
+job: the coordinator port must be reachable by the job's hosts only.) The token is
+never logged.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
 from gyrejax.rollout.factory import make_engine
 from gyrejax.serve.engine_server import EngineServer
+from gyrejax.serve.http import token_digest
 from gyrejax.serve.http_engine import HttpEngine
 from gyrejax.train.checkpoint import abstract_like, restore_weights, save_weights
 from gyrejax.train.trainer import ElasticTrainer
@@ -104,15 +107,17 @@ def receive_start_weights(model: Transformer, start: Decisions) -> Transformer:
 
 
 def share_engine_token(start: Decisions) -> str:
-    """Process 0: draws the run's engine token and hands it to the other processes."""
+    """Process 0: draws the run's engine token and hands its digest (never the token) to
+    the other processes; returns the token."""
     token = secrets.token_urlsafe(32)
-    start.put_json("engine_token", token)
+    start.put_json("engine_token_sha256", token_digest(token))
     return token
 
 
-def receive_engine_token(start: Decisions) -> str:
-    """Followers: the engine token process 0 drew for this run."""
-    return start.get_json("engine_token")
+def receive_engine_token_digest(start: Decisions) -> str:
+    """Followers: the digest of the engine token process 0 drew for this run, all their
+    engine servers need to check it."""
+    return start.get_json("engine_token_sha256")
 
 
 def published_dir(workdir: Path) -> Path:
@@ -160,12 +165,12 @@ def serve_and_follow(
     model: Transformer,
     trainer: ElasticTrainer,
     *,
-    token: str,
+    token_sha256: str,
     weights_dir: Path,
 ) -> dict:
-    """A follower's whole job: serves an engine per local cell (requiring `token`,
-    loading weights only from `weights_dir`) and takes part in process 0's training
-    steps until it stops; returns what it did."""
+    """A follower's whole job: serves an engine per local cell (requiring the token
+    whose digest is `token_sha256`, loading weights only from `weights_dir`) and takes
+    part in process 0's training steps until it stops; returns what it did."""
 
     async def serve() -> dict:
         host = advertised_host()
@@ -175,7 +180,9 @@ def serve_and_follow(
         try:
             for cell in local_cells(cells):
                 engine = make_engine(cell, model, config.rollout, version=trainer.version)
-                server = EngineServer(engine, token=token, weights_dir=weights_dir)
+                server = EngineServer(
+                    engine, token=None, token_sha256=token_sha256, weights_dir=weights_dir
+                )
                 servers.append(server)
                 url = await server.start(host, 0)
                 decisions.put_json(engine_key(cell.index), url)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 
 from absl import app, flags, logging
@@ -54,8 +55,9 @@ from gyrejax.serve.http import (
     check_secret,
     define_limit_flags,
     limits_from_flags,
-    same_token,
+    matches_digest,
     secret_from_flags,
+    token_digest,
 )
 from gyrejax.serve.wire import ENGINE_PREFIX as PREFIX
 
@@ -66,14 +68,18 @@ class EngineServer(Site):
     Args:
       engine: the engine to serve; the server never shuts it down (its owner does).
       token: the shared secret every client must send (None only with
-        `insecure_no_auth`).
+        `insecure_no_auth` or `token_sha256`).
+      token_sha256: instead of `token`, its `token_digest`: the server then never holds
+        the token itself (a multi-process run's followers, which learn it over the
+        coordinator's unauthenticated key-value store).
       weights_dir: the only directory `update_weights` loads from (subdirectories
         included, symlinks resolved); None refuses every path.
       limits: connection, header and body limits.
       insecure_no_auth: serve without a token, on loopback only (local experiments).
 
     Raises:
-      ValueError: no token (and not `insecure_no_auth`), or one too short to be secret.
+      ValueError: no token or digest (and not `insecure_no_auth`), both, or a token too
+        short to be secret.
     """
 
     def __init__(
@@ -81,17 +87,24 @@ class EngineServer(Site):
         engine: Engine,
         *,
         token: str | None,
+        token_sha256: str | None = None,
         weights_dir: str | os.PathLike | None = None,
         limits: Limits | None = None,
         insecure_no_auth: bool = False,
     ):
         super().__init__(limits, insecure_no_auth=insecure_no_auth)
-        if token is None and not insecure_no_auth:
+        if token is not None and token_sha256 is not None:
+            raise ValueError(f"engine server {engine.name}: give a token or its digest, not both")
+        if token is None and token_sha256 is None and not insecure_no_auth:
             raise ValueError(
                 f"engine server {engine.name}: no token; give --token or set "
                 f"{ENGINE_TOKEN_ENV} (or insecure_no_auth, on loopback only)"
             )
-        self._token = None if token is None else check_secret(token, "engine token")
+        if token is not None:
+            token_sha256 = token_digest(check_secret(token, "engine token"))
+        elif token_sha256 is not None and not re.fullmatch("[0-9a-f]{64}", token_sha256):
+            raise ValueError(f"engine server {engine.name}: token_sha256 is not a SHA-256 hex")
+        self._token_sha256 = token_sha256  # only the digest is kept
         self.engine = engine
         # Resolved once: a path is confined by its real location, never by its spelling.
         self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
@@ -112,9 +125,9 @@ class EngineServer(Site):
             self.add_endpoint(method, path, handler, auth=check, max_body_bytes=max_body_bytes)
 
     def _authenticate(self, request: web.Request) -> None:
-        if self._token is None:  # insecure_no_auth, on loopback
+        if self._token_sha256 is None:  # insecure_no_auth, on loopback
             return
-        if not same_token(bearer_token(request), self._token):
+        if not matches_digest(bearer_token(request), self._token_sha256):
             raise HttpError(
                 401,
                 f"Authorization: missing or wrong token for engine {self.engine.name}; send "

@@ -22,12 +22,16 @@ here, once:
     server).
 
 Tokens are compared with `hmac.compare_digest`; `MIN_TOKEN_CHARS` refuses guessable ones.
+A server may hold only a token's SHA-256 digest (`token_digest`): one that learns its
+token over a channel others can read (a multi-process run's key-value store) learns the
+digest alone, which lets nobody in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -153,6 +157,18 @@ def same_token(given: str | None, expected: str) -> bool:
     return hmac.compare_digest(
         given.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape")
     )
+
+
+def token_digest(token: str) -> str:
+    """The SHA-256 of a token (hex): what a server that checks the token needs to hold.
+    The tokens are 256 random bits (`check_secret` refuses short ones), so the digest
+    cannot be turned back into a token."""
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def matches_digest(given: str | None, digest: str) -> bool:
+    """Whether `given` is the token whose `token_digest` is `digest` (constant time)."""
+    return given is not None and hmac.compare_digest(token_digest(given), digest)
 
 
 def check_secret(value: str, what: str) -> str:
