@@ -51,6 +51,7 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
+import os
 import re
 import shutil
 import subprocess
@@ -445,14 +446,21 @@ def real_runs(args) -> dict:
 
     root = Path(args.real_workdir or tempfile.mkdtemp(prefix="schedule_bench_"))
     regimes = args.real_regimes.split(",") if args.real_regimes else list(REGIMES)
+    processes = args.real_processes
+    # One process: 8 emulated devices on every core. Several: launch/local.sh --pin, each
+    # process (its share of the devices) on a core of its own, like a host.
+    prefix = ["bash", "launch/local.sh", str(processes), "--pin", "--"] if processes > 1 else []
+    layout = [f"--config.cells.num_cpu_devices={8 // processes}"] if processes > 1 else []
     results = {}
     for regime in regimes:
-        results[regime] = {}
+        key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
+        results[key] = {}
         for name, flags in real_variants():
-            workdir = root / regime / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+            folder = regime if processes == 1 else f"{regime}_p{processes}"
+            workdir = root / folder / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
             if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
                 print(f"[real] {workdir}: done before, read back", flush=True)
-                results[regime][name] = calibrate.read_run(workdir)
+                results[key][name] = calibrate.read_run(workdir)
                 continue
             # A run cut short would resume from its checkpoint and time only its rest:
             # every measured run starts afresh.
@@ -461,12 +469,14 @@ def real_runs(args) -> dict:
                 for part in ("demonstrations", "warmup"):
                     shutil.copytree(Path(args.real_warm) / part, workdir / part)
             command = [
+                *prefix,
                 sys.executable,
                 "-m",
                 "gyrejax.launch",
                 "--config",
                 "configs/tiny_cpu.py",
                 f"--workdir={workdir}",
+                *layout,
                 *flags,
                 *REGIMES[regime],
                 f"--config.train.steps={args.real_steps}",
@@ -474,19 +484,22 @@ def real_runs(args) -> dict:
             ]
             print(f"[real] {' '.join(command)}", flush=True)
             workdir.mkdir(parents=True, exist_ok=True)
+            env = dict(os.environ, LOG_DIR=str(workdir / "process_logs"))
             with open(workdir / "launch.log", "w") as log:
-                done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                done = subprocess.run(
+                    command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
             if done.returncode != 0:
                 tail = (workdir / "launch.log").read_text().splitlines()[-20:]
                 raise SystemExit(f"{name} ({regime}) failed:\n" + "\n".join(tail))
-            results[regime][name] = calibrate.read_run(workdir)
-        _print_real(regime, results[regime])
+            results[key][name] = calibrate.read_run(workdir)
+        _print_real(key, results[key])
     return {"root": str(root), "runs": results}
 
 
 def _print_real(regime: str, runs: dict) -> None:
     _, elastic = best_of(runs, "elastic")
-    print(f"\n### real tiny CPU runs, {regime}-bound regime (4 cells, equal work, S = 3)\n")
+    print(f"\n### real tiny CPU runs, regime: {regime} (4 cells, equal work, S = 3)\n")
     print(
         "| variant | steps | RL wall s | / best elastic | utilisation | idle share: "
         + ", ".join(IDLE_CAUSES)
@@ -562,7 +575,7 @@ def reward_plot(real: dict, path: Path) -> None:
         for name, run in by_policy.items():
             steps = read_jsonl(Path(run["workdir"]) / "metrics.jsonl")
             ax.plot([s["time_s"] for s in steps], [s["reward"] for s in steps], ".-", label=name)
-        ax.set(title=f"{regime}-bound", xlabel="wall clock s", ylabel="step reward")
+        ax.set(title=regime, xlabel="wall clock s", ylabel="step reward")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -589,6 +602,12 @@ def main() -> None:
     )
     parser.add_argument("--real_regimes", default=None, help="e.g. latency (default: both)")
     parser.add_argument("--real_warm", default=None, help="a tiny_cpu workdir to start from")
+    parser.add_argument(
+        "--real_processes",
+        type=int,
+        default=1,
+        help="> 1: each real run as this many processes, each pinned to a core of its own",
+    )
     parser.add_argument(
         "--calibrate",
         default=None,
