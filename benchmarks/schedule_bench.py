@@ -543,19 +543,26 @@ def calibrate_and_predict(args, real: dict | None) -> dict:
             print(f"  {k}: {v}")
         if not by_policy:
             continue
-        print(f"\n| {regime} regime | measured s | predicted s | predicted / measured |")
-        print("|---|---|---|---|")
+        print(
+            f"\n| {regime} regime | measured s | predicted s (median) | 10-90% band s "
+            "| predicted / measured |"
+        )
+        print("|---|---|---|---|---|")
         for name, run in by_policy.items():
-            predicted = calibrate.predict(fit, run)
+            low, predicted, high = calibrate.predicted_band(fit, run)
             in_sample = run["workdir"] == str(Path(source))
             out["predictions"][f"{regime}/{name}"] = {
                 "measured_s": run["wall_s"],
                 "predicted_s": predicted,
+                "band_s": [low, high],
                 "in_sample": in_sample,
             }
             label = f"{name} (fitted)" if in_sample else name
             ratio = predicted / run["wall_s"]
-            print(f"| {label} | {run['wall_s']:.0f} | {predicted:.0f} | {ratio:.3f} |")
+            print(
+                f"| {label} | {run['wall_s']:.0f} | {predicted:.0f} | {low:.0f}-{high:.0f} "
+                f"| {ratio:.3f} |"
+            )
     return out
 
 

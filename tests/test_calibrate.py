@@ -81,6 +81,20 @@ def test_predict_replays_the_calibration_run(tmp_path):
     assert calibrate.predict(fit, colocate) > calibrate.predict(fit, run)
 
 
+def test_the_predicted_band_holds_most_runs_of_the_same_configuration(tmp_path):
+    """One run is one draw: fitted on a seed-0 run, the 10-90% band of the prediction
+    holds most other seeds' runs of the same configuration, and `predict` is its median."""
+    truth = TRUTH.replace(steps=12, duration_sigma=0.8)  # few steps, long tails: wide spread
+    calibrate.write_run_logs(truth, simulate(truth, "elastic"), "elastic", tmp_path)
+    fit = calibrate.fit_run(tmp_path)
+    run = calibrate.read_run(tmp_path)
+    low, median, high = calibrate.predicted_band(fit, run)
+    assert low < median < high and median == calibrate.predict(fit, run)
+    others = [simulate(truth.replace(seed=s), "elastic").makespan_s for s in range(10, 20)]
+    inside = sum(low <= m + fit.startup_s + fit.shutdown_s <= high for m in others)
+    assert inside >= 6, (low, high, others)
+
+
 def test_a_torn_log_line_is_skipped_and_missing_logs_are_named(tmp_path):
     result = simulate(TRUTH.replace(steps=8), "elastic")
     calibrate.write_run_logs(TRUTH.replace(steps=8), result, "elastic", tmp_path)

@@ -59,9 +59,11 @@ tokens, prompt length and engines) and the steps' times:
     squares on its call index, up to its first compaction). The tool calls: sigma from
     the executions' mean gaps, the median such that the mean gap is the run's (the
     gaps one by one are bimodal: many calls follow one another with no tool call).
-`predict(fit, run)` simulates another run's policy and schedule under the fitted model and
-returns its predicted wall time. `write_run_logs` writes a simulated run's logs in the
-runtime's format, so a test can check that fitting recovers known parameters.
+`predict(fit, run)` simulates another run's policy and schedule under the fitted model, on
+several seeds, and returns the median wall time; `predicted_band` the 10th-90th
+percentile range over the seeds (how much one run may differ from the next).
+`write_run_logs` writes a simulated run's logs in the runtime's format, so a test can
+check that fitting recovers known parameters.
 
 Pure Python/NumPy, like the simulator.
 """
@@ -691,9 +693,12 @@ def _schedule_config(schedule: dict) -> SimConfig:
     return SimConfig(**{k: schedule[k] for k in SCHEDULE_FIELDS})
 
 
-def predict(fit: Fit, run: dict, seeds: tuple[int, ...] = (0, 1, 2, 3, 4)) -> float:
-    """Predicted wall time (s) of `run` (a `read_run` result: its policy and schedule)
-    under the fitted model: startup + the mean simulated makespan over `seeds` + shutdown."""
+PREDICT_SEEDS = tuple(range(9))
+
+
+def predicted_walls(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> np.ndarray:
+    """`run`'s wall time (s; a `read_run` result: its policy and schedule) under the
+    fitted model, one per seed: startup + the simulated makespan + shutdown."""
     schedule = run["schedule"]
     sim = fit.sim.replace(**{k: schedule[k] for k in SCHEDULE_FIELDS})
     options = {}
@@ -702,7 +707,24 @@ def predict(fit: Fit, run: dict, seeds: tuple[int, ...] = (0, 1, 2, 3, 4)) -> fl
     makespans = [
         simulate(sim.replace(seed=s), schedule["policy"], **options).makespan_s for s in seeds
     ]
-    return fit.startup_s + float(np.mean(makespans)) + fit.shutdown_s
+    return fit.startup_s + np.array(makespans) + fit.shutdown_s
+
+
+def predict(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> float:
+    """Predicted wall time (s) of one run like `run`: the median of `predicted_walls`.
+    The median, not the mean: with tool calls a makespan is set by the slowest
+    executions, so its distribution over seeds has a long right tail, and one run lands
+    near its median far more often than near its mean."""
+    return float(np.median(predicted_walls(fit, run, seeds)))
+
+
+def predicted_band(
+    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS
+) -> tuple[float, float, float]:
+    """(10th percentile, median, 90th percentile) of `predicted_walls`: the spread one
+    run of `run`'s configuration has under the model (seed to seed)."""
+    low, median, high = np.percentile(predicted_walls(fit, run, seeds), [10, 50, 90])
+    return float(low), float(median), float(high)
 
 
 def write_run_logs(
