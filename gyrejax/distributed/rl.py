@@ -115,8 +115,8 @@ def share_engine_token(start: Decisions) -> str:
 
 
 def receive_engine_token_digest(start: Decisions) -> str:
-    """Followers: the digest of the engine token process 0 drew for this run, all their
-    engine servers need to check it."""
+    """Followers: the digest of the engine token process 0 drew for this run (their
+    engine servers check requests against it)."""
     return start.get_json("engine_token_sha256")
 
 
