@@ -9,7 +9,7 @@ import pytest
 
 from gyrejax.scheduler import calibrate
 from gyrejax.scheduler.policies import make_policy
-from gyrejax.scheduler.simulator import HOUR, SimConfig, Simulator, simulate
+from gyrejax.scheduler.simulator import HOUR, SimConfig, Simulator, make_trace, simulate
 
 # A run whose parameters we know: cells sharing one host (as CPU-emulated devices do),
 # engines that hold a request only while it generates, a fixed per-step overhead.
@@ -195,6 +195,7 @@ def test_load_fit_recovers_context_growth_and_bucket_compiles(tmp_path):
     for name in ("context_tokens", "context_per_call", "call_work_s"):
         got, want = getattr(fit, name), getattr(CONTEXT_TRUTH, name)
         assert got == pytest.approx(want, rel=0.05), (name, got, want)
+    assert fit.call_work_exponent == 1.0  # calls in proportion to work, as simulated
     # Buckets 128, 256, 512 as simulated; 1024 reached by none (or at no cost).
     got = fit.bucket_compile_s
     np.testing.assert_allclose(got[:3], CONTEXT_TRUTH.bucket_compile_s, rtol=0.05)
@@ -202,6 +203,19 @@ def test_load_fit_recovers_context_growth_and_bucket_compiles(tmp_path):
     assert fit.compile_contention == 0.0
     # Sampled: the spread of a few hundred executions' growth.
     assert fit.context_sigma == pytest.approx(CONTEXT_TRUTH.context_sigma, rel=0.15)
+
+
+def test_load_fit_recovers_fewer_calls_for_long_executions(tmp_path):
+    # Calls grow as work ** 0.6 (the real agents' turn limits): the longest executions
+    # make fewer calls than in proportion, and the fit finds the exponent.
+    truth = CONTEXT_TRUTH.replace(call_work_s=0.3, call_work_exponent=0.6)
+    result = simulate(truth, "elastic")
+    calibrate.write_run_logs(truth, result, "elastic", tmp_path, startup_s=3.0)
+    fit = calibrate.fit_run(tmp_path, load=True).sim
+    assert fit.call_work_exponent == pytest.approx(0.6, abs=0.05)
+    assert fit.call_work_s == pytest.approx(0.3, rel=0.05)
+    calls = make_trace(truth).calls
+    assert calls.max() < make_trace(truth.replace(call_work_exponent=1.0)).calls.max()
 
 
 def test_contention_fit_tells_concurrent_compiles_from_slow_ones():

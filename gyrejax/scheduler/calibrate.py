@@ -52,8 +52,9 @@ tokens, prompt length and engines) and the steps' times:
     first step when there are 20) is the lognormal of durations, `turns` its mean
     number of calls, the gaps between its calls the tool calls' lognormal (an
     execution's mean gap, spread over `turns` - 1 tool calls);
-  * with prompt lengths, the calls and context model: `call_work_s` is the work per
-    call under which max(1, round(work / it)) best gives each execution's number of
+  * with prompt lengths, the calls and context model: `call_work_s` and
+    `call_work_exponent` are the work per call and exponent under which
+    max(1, round((work / call_work_s) ** exponent)) best gives each execution's number of
     calls; `context_tokens` the median first prompt; `context_per_call` and
     `context_sigma` the lognormal of each execution's prompt growth per call (least
     squares on its call index, up to its first compaction). The tool calls: sigma from
@@ -138,6 +139,7 @@ class Fit:
             "context_per_call": s.context_per_call,
             "context_sigma": s.context_sigma,
             "call_work_s": s.call_work_s,
+            "call_work_exponent": s.call_work_exponent,
             "bucket_compile_s": s.bucket_compile_s,
             "compile_contention": s.compile_contention,
             "to_training_s": s.to_training_s,
@@ -459,14 +461,22 @@ def _fit_context(calls: list[dict]) -> tuple[float, float, float]:
     return float(np.median(first)), median, sigma
 
 
-def _fit_call_work(work: np.ndarray, calls: np.ndarray) -> float:
-    """call_work_s: the work per call under which max(1, round(work / it)) best gives
-    each execution's number of calls (least absolute error over a grid around the
-    median work per call)."""
-    guess = float(np.median(work / calls))
-    grid = guess * np.geomspace(0.5, 2.0, 401)
-    misfit = [np.abs(np.maximum(1, np.round(work / g)) - calls).sum() for g in grid]
-    return float(grid[int(np.argmin(misfit))])
+CALL_EXPONENT_GRID = tuple(np.round(np.arange(1.0, 0.39, -0.05), 2))
+
+
+def _fit_call_work(work: np.ndarray, calls: np.ndarray) -> tuple[float, float]:
+    """(call_work_s, call_work_exponent): the work per call and exponent under which
+    max(1, round((work / call_work_s) ** exponent)) best gives each execution's number
+    of calls (least absolute error over a grid around the median work per call, for
+    each exponent from 1 down; a smaller exponent only when it fits strictly better)."""
+    best = None
+    for exponent in CALL_EXPONENT_GRID:
+        guess = float(np.median(work / calls ** (1.0 / exponent)))
+        for scale in guess * np.geomspace(0.5, 2.0, 401):
+            misfit = np.abs(np.maximum(1, np.round((work / scale) ** exponent)) - calls).sum()
+            if best is None or misfit < best[0]:
+                best = (misfit, float(scale), float(exponent))
+    return best[1], best[2]
 
 
 def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
@@ -583,10 +593,12 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         tokens0, per_call, context_sigma = _fit_context(calls)
         counts = np.array([len(p) for p in by_execution.values()])
         buckets = range(SMALLEST_BUCKET_LOG2, max(by_shape) + 1)
+        call_work, call_exponent = _fit_call_work(np.array(work), counts)
         context = {
             "context_tokens": tokens0,
             "context_per_call": per_call,
-            "call_work_s": _fit_call_work(np.array(work), counts),
+            "call_work_s": call_work,
+            "call_work_exponent": call_exponent,
             "context_sigma": context_sigma,
             "bucket_compile_s": tuple(_timed_median(by_shape.get(b, [])) for b in buckets),
             "engine_compile_s": (),

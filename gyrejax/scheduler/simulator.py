@@ -78,9 +78,11 @@ first step (compilation). Also in the load model, the runtime's other costs:
     seen before `train_compile_s`, a cell joining training for the first time
     `join_compile_s` (work, so it competes for the cores);
   * calls by work (`call_work_s` > 0; replaces `turns`): an execution of decode work w
-    makes max(1, round(w / call_work_s)) calls (decode phases of equal work, tool calls
-    between), so long executions make more calls and short ones finish in one or two,
-    as the real agents do (their calls and output tokens correlate at 0.86);
+    makes max(1, round((w / call_work_s) ** call_work_exponent)) calls (decode phases
+    of equal work, tool calls between), so long executions make more calls and short
+    ones finish in one or two, as the real agents do (their calls and output tokens
+    correlate at 0.86); an exponent below 1 gives the longest executions fewer, longer
+    calls (the real agents' turn limits);
   * context growth (`context_tokens` > 0; replaces compiling per turn): an execution's
     prompt is `context_tokens` at its first call and grows by `context_per_call` tokens
     a call (its output and the tool result it brings) times its own lognormal factor
@@ -196,9 +198,11 @@ class SimConfig:
         instead of per turn (`engine_compile_s` unused); 0: per turn.
       context_per_call: load model: prompt tokens an execution adds per call ...
       context_sigma: ... times a lognormal factor per execution (median 1, this sigma).
-      call_work_s: load model: > 0: an execution makes max(1, round(work / this))
-        decode phases (calls) of equal work instead of `turns` (long executions make
-        more calls, as the real agents do); 0: `turns`.
+      call_work_s: load model: > 0: an execution makes
+        max(1, round((work / this) ** call_work_exponent)) decode phases (calls) of
+        equal work instead of `turns` (long executions make more calls, as the real
+        agents do); 0: `turns`.
+      call_work_exponent: see `call_work_s` (1: calls in proportion to work).
       bucket_compile_s: load model with context_tokens: per context bucket i (prompts
         up to 128 * 2 ** i tokens), the wall seconds an engine alone compiles before
         its first decode in that bucket (its calls in that bucket wait); past the end:
@@ -250,6 +254,7 @@ class SimConfig:
     context_per_call: float = 0.0
     context_sigma: float = 0.0
     call_work_s: float = 0.0
+    call_work_exponent: float = 1.0
     bucket_compile_s: tuple[float, ...] = ()
     compile_contention: float = 0.0
     seed: int = 0
@@ -290,6 +295,7 @@ class SimConfig:
             "context_per_call",
             "context_sigma",
             "call_work_s",
+            "call_work_exponent",
             "compile_contention",
         )
         for name in costs:
@@ -387,7 +393,8 @@ def make_trace(config: SimConfig, seed: int | None = None) -> Trace:
     tokens = config.tokens_mean * weight / weight.mean()
     calls = None
     if config.load_model and config.call_work_s > 0:
-        calls = np.maximum(1, np.round(duration / config.call_work_s)).astype(np.int64)
+        per_work = (duration / config.call_work_s) ** config.call_work_exponent
+        calls = np.maximum(1, np.round(per_work)).astype(np.int64)
     most = config.turns if calls is None else int(calls.max())
     tool = None
     if config.load_model and most > 1 and config.tool_median_s > 0:
