@@ -5,6 +5,7 @@ Usage:
                                       [--plot PATH] [--sensitivity] [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
+                                      [--real_processes P]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -41,6 +42,8 @@ records with prompt lengths, as the real runs': calls by work, context growth pe
 compiles per context bucket; `benchmarks/calibration_bench.py` tabulates the errors).
 Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
+`--real_processes 2` runs each real run as 2 processes of 4 devices, each pinned to a core
+of its own (launch/local.sh --pin): a cell freed from rollout then adds compute.
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -447,6 +450,8 @@ def real_runs(args) -> dict:
     root = Path(args.real_workdir or tempfile.mkdtemp(prefix="schedule_bench_"))
     regimes = args.real_regimes.split(",") if args.real_regimes else list(REGIMES)
     processes = args.real_processes
+    if processes < 1 or 8 % processes:
+        raise SystemExit(f"--real_processes={processes}: must divide tiny_cpu's 8 devices")
     # One process: 8 emulated devices on every core. Several: launch/local.sh --pin, each
     # process (its share of the devices) on a core of its own, like a host.
     prefix = ["bash", "launch/local.sh", str(processes), "--pin", "--"] if processes > 1 else []
