@@ -5,7 +5,7 @@ Usage:
                                       [--plot PATH] [--sensitivity] [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
-                                      [--real_processes P]
+                                      [--real_processes P] [--real_lookaheads]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -44,6 +44,8 @@ Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 `--real_processes 2` runs each real run as 2 processes of 4 devices, each pinned to a core
 of its own (launch/local.sh --pin): a cell freed from rollout then adds compute.
+`--real_lookaheads` adds async and elastic at their non-default dispatch depth
+(`scheduler.lookahead`: async "gate", elastic "phi").
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -420,9 +422,13 @@ REGIMES = {
 }
 
 
-def real_variants(cells: int = 4, mus: tuple[int, ...] = (1, 2)) -> list[tuple[str, list[str]]]:
+def real_variants(
+    cells: int = 4, mus: tuple[int, ...] = (1, 2), lookaheads: bool = False
+) -> list[tuple[str, list[str]]]:
     """Every policy at every publication cadence mu (and async at every split), all under
-    tiny_cpu's gate S = 3: each policy's best is the fairly tuned one."""
+    tiny_cpu's gate S = 3: each policy's best is the fairly tuned one. `lookaheads`: also
+    async and elastic at the dispatch depth that is not their default (async "gate",
+    elastic "phi"), as the simulator's sweep has them."""
     variants = []
     for mu in mus:
         cadence = [f"--config.scheduler.mu={mu}"]
@@ -431,7 +437,13 @@ def real_variants(cells: int = 4, mus: tuple[int, ...] = (1, 2)) -> list[tuple[s
             split = f"--config.scheduler.async_training_cells={k}"
             flags = ["--config.scheduler.policy=async", split]
             variants.append((f"async({k}) mu={mu}", [*flags, *cadence]))
+            if lookaheads:
+                depth = ["--config.scheduler.lookahead=gate"]
+                variants.append((f"async({k}) mu={mu} gate", [*flags, *cadence, *depth]))
         variants.append((f"elastic mu={mu}", ["--config.scheduler.policy=elastic", *cadence]))
+        if lookaheads:
+            flags = ["--config.scheduler.policy=elastic", "--config.scheduler.lookahead=phi"]
+            variants.append((f"elastic mu={mu} phi", [*flags, *cadence]))
     return variants
 
 
@@ -460,7 +472,7 @@ def real_runs(args) -> dict:
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
         results[key] = {}
-        for name, flags in real_variants():
+        for name, flags in real_variants(lookaheads=args.real_lookaheads):
             folder = regime if processes == 1 else f"{regime}_p{processes}"
             workdir = root / folder / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
             if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
@@ -614,6 +626,11 @@ def main() -> None:
     )
     parser.add_argument("--real_regimes", default=None, help="e.g. latency (default: both)")
     parser.add_argument("--real_warm", default=None, help="a tiny_cpu workdir to start from")
+    parser.add_argument(
+        "--real_lookaheads",
+        action="store_true",
+        help="also async and elastic at their non-default dispatch depth (lookahead)",
+    )
     parser.add_argument(
         "--real_processes",
         type=int,

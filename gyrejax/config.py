@@ -484,6 +484,10 @@ class SchedulerConfig:
     phi: int = 1  # extra bursts of dispatch depth (staleness bound).
     mu: int = 1  # training steps per weight publication.
     async_training_cells: int = 1  # the async policy's fixed number of training cells
+    # Dispatch depth of async and elastic: "gate" dispatches as far ahead as S allows
+    # (rollout holds the cells that depth needs), "phi" only (phi + mu) steps ahead;
+    # "default": each policy's own (elastic "gate", async "phi").
+    lookahead: str = "default"
     # S: no group is trained more than S weight versions after the one it was sampled
     # with (None: groups train in finish order, bounded only by the dispatch depth).
     max_staleness: int | None = None
@@ -491,6 +495,7 @@ class SchedulerConfig:
 
     def __post_init__(self):
         _one_of("scheduler", self, "policy", POLICIES)
+        _one_of("scheduler", self, "lookahead", ("default", "gate", "phi"))
         _non_negative("scheduler", self, "phi")
         _positive("scheduler", self, "mu", "async_training_cells")
         if self.max_staleness is not None:

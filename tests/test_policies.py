@@ -233,3 +233,23 @@ def test_no_idle_lookahead_cell_once_the_gate_is_full():
     # At the end of the run (nothing left to dispatch) it may train.
     done = gated(roles="TTTR", groups_ready=6, max_staleness=5, groups_remaining=0)
     assert elastic_after_boundary(lookahead="phi")(done).transitions == ((3, T),)
+
+
+def test_the_scheduler_config_sets_each_policys_dispatch_depth():
+    """`scheduler.lookahead` reaches async and elastic ("default": each one's own), so
+    the real-run benchmark can sweep it for both as the simulator's does."""
+    from gyrejax.config import ConfigError, SchedulerConfig
+    from gyrejax.scheduler.policies import policy_from_config
+
+    def built(policy, lookahead):
+        config = SchedulerConfig(policy=policy, lookahead=lookahead, async_training_cells=2)
+        return policy_from_config(config)
+
+    assert built("elastic", "default").lookahead == "gate"
+    assert built("elastic", "phi").lookahead == "phi"
+    assert built("async", "default").lookahead == "phi"
+    assert built("async", "gate").lookahead == "gate"
+    assert built("async", "gate").training_cells == 2
+    assert built("colocate", "gate").label == "colocate"
+    with pytest.raises(ConfigError, match=r"scheduler\.lookahead='deep'"):
+        SchedulerConfig(lookahead="deep")

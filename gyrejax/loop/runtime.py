@@ -46,7 +46,7 @@ from gyrejax.loop.transitions import Transitions
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
 from gyrejax.scheduler.driver import Driver
-from gyrejax.scheduler.policies import Role, make_policy, policy_options
+from gyrejax.scheduler.policies import Role, policy_from_config
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import ExecutionStore
@@ -96,9 +96,7 @@ class Runtime:
         self.cell_time = CellTime(self.ctx)
         self.steps = Steps(self.ctx, self.groups, self.cell_time, self.rollout.publish)
         self.transitions = Transitions(self.ctx, self.rollout)
-        s = config.scheduler
-        options = policy_options(s.policy, training_cells=s.async_training_cells)
-        self.policy = make_policy(s.policy, **options)
+        self.policy = policy_from_config(config.scheduler)
 
     @property
     def engines(self) -> dict[int, Engine]:

@@ -156,6 +156,15 @@ def make_policy(name: str, **kwargs) -> Policy:
     return _factory(name)(**kwargs)
 
 
+def policy_from_config(scheduler) -> Policy:
+    """The policy a `SchedulerConfig` names, with the options it sets that the policy
+    takes (`lookahead` "default": the policy's own)."""
+    options = {"training_cells": scheduler.async_training_cells}
+    if scheduler.lookahead != "default":
+        options["lookahead"] = scheduler.lookahead
+    return make_policy(scheduler.policy, **policy_options(scheduler.policy, **options))
+
+
 def policy_options(name: str, **options) -> dict:
     """The `options` that policy `name` takes (the others are left out), so one set of
     options serves every policy: e.g. `training_cells` only matters to "async"."""
