@@ -39,8 +39,8 @@ def _unknown_override(argv: list[str], error: Exception) -> str:
     newline in it, so the culprit is found by checking each override's path instead."""
     from gyrejax.config import unknown_field
 
-    paths = [a.removeprefix("--config.").split("=", 1)[0] for a in argv]
-    paths = [p for a, p in zip(argv, paths, strict=True) if a.startswith("--config.")]
+    overrides = [a.removeprefix("--config.") for a in argv if a.startswith("--config.")]
+    paths = [o.split("=", 1)[0] for o in overrides]
     for path in paths:
         problem = unknown_field(path)
         if problem:

@@ -300,6 +300,7 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
 
     model, cells, train = config.model, config.cells, config.train
     param_bytes = _per_device(pairs, mesh_shape)
+    float32_bytes = _per_device(pairs, mesh_shape, itemsize=4)  # the accumulator, masters
     # The micro-step shape with the most tokens per device: with row buckets one row of
     # a long length may hold more than the base [R, L] (rollout.max_seq_len may exceed L).
     rows, length = max(
@@ -312,9 +313,9 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
     logits = rows * length * head_bytes_per_token(model, cells.tensor) + head_matrix
     return TrainingMemory(
         params=param_bytes,
-        master=_per_device(pairs, mesh_shape, itemsize=4) if masters else 0,
+        master=float32_bytes if masters else 0,
         gradients=param_bytes,
-        accumulator=_per_device(pairs, mesh_shape, itemsize=4),
+        accumulator=float32_bytes,
         optimizer=_per_device(opt_pairs, mesh_shape),
         reference=param_bytes if config.rl.kl_coef > 0 else 0,
         rows=rows,

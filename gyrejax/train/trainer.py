@@ -129,6 +129,11 @@ class StepReport:
     step_s: float
 
 
+def _cast_like(tree, abstract):
+    """`tree` with each leaf cast to the dtype of its counterpart in `abstract`."""
+    return jax.tree.map(lambda x, a: x.astype(a.dtype), tree, abstract)
+
+
 class ElasticTrainer:
     """Trains a model on the core cell with satellites as extra data-parallel replicas.
 
@@ -266,9 +271,7 @@ class ElasticTrainer:
     def _cast_down(self, master):
         """The model's weights from the masters: each cast to its parameter's dtype,
         laid out like the parameters (the weights micro-steps and engines get)."""
-        down = lambda master: jax.tree.map(
-            lambda m, a: m.astype(a.dtype), master, self.layout.abstract
-        )
+        down = lambda master: _cast_like(master, self.layout.abstract)
         return jax.jit(down, out_shardings=self.param_shardings(self.core))(master)
 
     @property
@@ -383,45 +386,33 @@ class ElasticTrainer:
         return self._reducers[key]
 
     def _apply_update(self, grads) -> float:
-        if self.master is not None:
-            return self._apply_master_update(grads)
-        if self._update is None:
-            self._compiles += 1
-            optimizer = self.optimizer
-
-            def update(params, opt_state, grads):
-                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-                updates, opt_state = optimizer.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-            replicated = NamedSharding(self.core.mesh, jax.sharding.PartitionSpec())
-            out_shardings = (self.param_shardings(self.core), self._opt_shardings, replicated)
-            self._update = jax.jit(update, donate_argnums=(0, 1), out_shardings=out_shardings)
-        self.params, self.opt_state, grad_norm = self._update(self.params, self.opt_state, grads)
-        return float(grad_norm)
-
-    def _apply_master_update(self, grads) -> float:
-        """The update with float32 masters: the float32 gradient sum (never rounded to
-        the model's dtype) updates the masters and their float32 moments; the model's
-        weights are the new masters cast down."""
+        """The optimizer step on `updated_weights`. With float32 masters the float32
+        gradient sum (never rounded to the model's dtype) updates the masters and their
+        float32 moments, and the same program casts the new masters down to `params`."""
+        masters = self.master is not None
         if self._update is None:
             self._compiles += 1
             optimizer, abstract = self.optimizer, self.layout.abstract
 
-            def update(master, opt_state, grads):
-                grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
-                updates, opt_state = optimizer.update(grads, opt_state, master)
-                master = optax.apply_updates(master, updates)
-                params = jax.tree.map(lambda m, a: m.astype(a.dtype), master, abstract)
-                return master, params, opt_state, optax.tree.norm(grads)
+            def update(weights, opt_state, grads):
+                grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, weights)
+                updates, opt_state = optimizer.update(grads, opt_state, weights)
+                weights = optax.apply_updates(weights, updates)
+                params = _cast_like(weights, abstract) if masters else None
+                return weights, params, opt_state, optax.tree.norm(grads)
 
             shardings = self.param_shardings(self.core)
             replicated = NamedSharding(self.core.mesh, jax.sharding.PartitionSpec())
-            out_shardings = (shardings, shardings, self._opt_shardings, replicated)
+            cast_shardings = shardings if masters else None
+            out_shardings = (shardings, cast_shardings, self._opt_shardings, replicated)
             self._update = jax.jit(update, donate_argnums=(0, 1), out_shardings=out_shardings)
-        self.master, self.params, self.opt_state, grad_norm = self._update(
-            self.master, self.opt_state, grads
+        weights, params, self.opt_state, grad_norm = self._update(
+            self.updated_weights, self.opt_state, grads
         )
+        if masters:
+            self.master, self.params = weights, params
+        else:
+            self.params = weights
         return float(grad_norm)
 
     # --- checkpoints ---------------------------------------------------------------------
