@@ -1,12 +1,16 @@
 """Rollout benchmark: JAX engine vs vLLM engine throughput; migration latency.
 
-  python benchmarks/rollout_bench.py [--quick] [--json PATH] [--door_only]
+  python benchmarks/rollout_bench.py [--quick] [--json PATH] [--door_only] [--width_only]
 
 On the tiny model of configs/tiny_cpu.py (float32, head_dim 64, so vLLM's CPU attention
 serves it), side by side in one run:
   * throughput: the same workload (32 requests, 64-token prompts, 128 new tokens,
     greedy) on the JAX engine and on the vLLM engine (skipped with a note if vllm is not
     installed), after a warm-up run of each; tokens/s is new tokens over wall time;
+  * decode width: tokens/s of one JAX engine of 32 slots with 1, 4, 8 or 32 of them
+    busy (the same workload shape), decoding only as wide as the busy slots (a power of
+    four: 1, 4, 16, 32) vs every slot in every call (`narrow=False`, the engine before
+    widths), the two side by side; the tokens must be the same;
   * migration latency as the context grows (1k, 4k, 16k tokens): from the start of an
     export on one JAX engine until the request's next token on another, with the KV
     cache copied device to device vs re-submitted (prompt + tokens so far re-prefilled);
@@ -113,6 +117,37 @@ async def migration_latency(model, context: int, reps: int) -> dict:
     # The first try of each mode includes compiles for this context length: report the
     # last (warm) one when there are several.
     return {k: (v[-1] if isinstance(v, list) else v) for k, v in out.items()}
+
+
+async def decode_width(model, quick: bool) -> list[dict]:
+    """Tokens/s with `busy` of 32 slots in use: narrow decode vs every slot (docstring)."""
+    new_tokens, reps = (32, 1) if quick else (128, 3)
+    rows = []
+    for busy in (1, 8) if quick else (1, 4, 8, 32):
+        prompts = workload(busy, 64, seed=busy)
+        row, outputs = {"busy": busy}, []
+        for mode in ("full", "narrow"):
+            engine = JaxEngine(mode, model, max_slots=32, max_seq_len=256, narrow=mode == "narrow")
+            try:
+                result = await throughput(engine, prompts, new_tokens, reps)
+                row[mode], width = result["tokens_per_s"], engine.decode_widths
+                outputs.append(result["outputs"])
+            finally:
+                await engine.shutdown()
+        row["narrow_width"] = max(width, key=width.get)
+        row["speedup"] = row["narrow"] / row["full"]
+        row["same_tokens"] = outputs[0] == outputs[1]
+        rows.append(row)
+    return rows
+
+
+def print_width(rows: list[dict]) -> None:
+    print("\ndecode width: one engine of 32 slots, 64-token prompts, greedy, tiny model")
+    print(f"  {'busy':>4} {'width':>5} {'every slot tok/s':>16} {'narrow tok/s':>12} "
+          f"{'speedup':>7} {'same tokens':>11}")  # fmt: skip
+    for r in rows:
+        print(f"  {r['busy']:>4} {r['narrow_width']:>5} {r['full']:>16.0f} {r['narrow']:>12.0f} "
+              f"{r['speedup']:>6.2f}x {r['same_tokens']!s:>11}")  # fmt: skip
 
 
 def future_request_id(engine) -> str:
@@ -275,7 +310,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--door_only", action="store_true", help="only the door's overhead")
+    parser.add_argument("--width_only", action="store_true", help="only the decode width")
     args = parser.parse_args()
+    if args.width_only:
+        width = asyncio.run(decode_width(init_model(TINY), args.quick))
+        print_width(width)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"decode_width": width}, f, indent=2)
+        return
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     door = asyncio.run(door_overhead(args.quick))
     if args.door_only:
@@ -286,6 +329,7 @@ def main() -> None:
         return
     results = asyncio.run(main_async(args))
     results["door"] = door
+    results["decode_width"] = asyncio.run(decode_width(init_model(TINY), args.quick))
 
     print(
         f"throughput: {results['requests']} requests x {results['prompt_tokens']}-token prompts "
@@ -308,6 +352,7 @@ def main() -> None:
     for row in results["migration"]:
         kv, resubmit = row["kv_copy"] * 1e3, row["resubmit"] * 1e3
         print(f"  {row['context']:>8} {kv:>11.1f} {resubmit:>13.1f} {resubmit / kv:>5.1f}x")
+    print_width(results["decode_width"])
     print_door(door)
     if args.json:
         for engine in ("jax", "vllm"):

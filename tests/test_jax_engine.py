@@ -14,7 +14,12 @@ from gyrejax.config import TRAIN_SHARDING_RULES, CellsConfig, ModelConfig
 from gyrejax.model import sharding
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
-from gyrejax.rollout.jax_engine import JaxEngine, length_buckets
+from gyrejax.rollout.jax_engine import (
+    JaxEngine,
+    length_buckets,
+    runnable_bucket,
+    width_buckets,
+)
 from gyrejax.rollout.types import EngineError, Request, RequestMigrated, SamplingParams
 
 CONFIG = ModelConfig(
@@ -62,6 +67,30 @@ def test_continuous_batching_equals_plain_generation(model):
         np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
         assert got.finish_reason == "length" and got.engines == ("e0",)
         assert (got.versions == 0).all()
+
+
+def test_decode_narrows_as_requests_finish(model):
+    """Requests finishing at different times: the busy slots move first, each decode is
+    only as wide as they are (down to a batch-1 tail), and every token equals plain
+    generation's."""
+    ps = prompts(5, seed=5)
+    budgets = [40, 8, 30, 4, 56]
+    want = generate(model, ps, max_new_tokens=max(budgets))
+
+    async def body(engine):
+        futures = [
+            engine.submit(Request(f"r{i}", p, dataclasses.replace(GREEDY, max_new_tokens=n)))
+            for i, (p, n) in enumerate(zip(ps, budgets, strict=True))
+        ]
+        return await asyncio.gather(*futures), dict(engine.decode_widths)
+
+    results, widths = run(with_engines(model, body, max_slots=8, decode_steps=4))
+    for got, expected, n in zip(results, want, budgets, strict=True):
+        assert got.output_ids.tolist() == expected.token_ids[:n]
+        np.testing.assert_allclose(got.logprobs, expected.logprobs[:n], atol=1e-5)
+    # 5 busy: width 8; then 4, 3, 2 (width 4) and the last one alone, moved to slot 0.
+    assert set(widths) == {8, 4, 1}, widths
+    assert widths[1] >= (56 - 40) // 4
 
 
 def test_seeded_sampling_is_independent_of_batch_and_engine(model):
@@ -258,6 +287,58 @@ COMPILE_EVENTS = (
 def test_length_buckets():
     assert length_buckets(640) == [16, 32, 64, 128, 256, 512, 640]
     assert length_buckets(64) == [16, 32, 64] and length_buckets(8) == [8]
+    assert width_buckets(16) == [1, 4, 16] and width_buckets(6) == [1, 4, 6]
+    assert width_buckets(64) == [1, 4, 16, 64] and width_buckets(1) == [1]
+
+
+def test_runnable_bucket_until_the_own_one_is_compiled():
+    """The cheapest compiled executable that fits; a decode with none as wide runs its
+    first slots on the widest one as long (never a stall while one exists)."""
+    compiled = [("decode", 64, 1), ("decode", 512, 16), ("decode", 128, 4), ("prefill", 64)]
+    assert runnable_bucket(("decode", 64, 4), compiled) == ("decode", 128, 4)
+    assert runnable_bucket(("decode", 256, 4), compiled) == ("decode", 512, 16)
+    assert runnable_bucket(("decode", 32, 1), compiled) == ("decode", 64, 1)
+    assert runnable_bucket(("decode", 640, 4), compiled) is None  # none as long
+    compiled.remove(("decode", 512, 16))
+    assert runnable_bucket(("decode", 64, 16), compiled) == ("decode", 128, 4)  # narrower
+    assert runnable_bucket(("decode", 16, 16), compiled) == ("decode", 128, 4)
+    assert runnable_bucket(("prefill", 32), compiled) == ("prefill", 64)
+    assert runnable_bucket(("prefill", 128), compiled) is None  # a prompt is never cut
+
+
+def test_a_precompiled_engine_narrows_only_for_a_lasting_need(model):
+    """A precompiled engine decodes at full width first (it fits any batch) and compiles
+    a narrower width only once the batch stayed that narrow for NARROW_AFTER_CALLS calls;
+    the tokens are plain generation's either way."""
+    cell = split_into_cells(CellsConfig(size=1, fsdp=1, tensor=1))[3]  # its own compiles
+    prompt = prompts(1, seed=8)[0][:10]
+    short, long = (SamplingParams(temperature=0.0, max_new_tokens=n) for n in (6, 50))
+    want = generate(model, [prompt], max_new_tokens=50)[0].token_ids
+
+    def decodes(engine):
+        return sorted(k for k in list(engine._executables) if k[0] == "decode")
+
+    async def body(engine):
+        await engine.precompiled()
+        first = await engine.submit(Request("short", prompt, short))  # 5 decode calls
+        after_short = decodes(engine)
+        second = await engine.submit(Request("long", prompt, long))  # 28 attend 64
+        while ("decode", 64, 1) not in engine._executables:  # compiled in the background
+            await asyncio.sleep(0.01)
+        return first, second, after_short
+
+    async def main():
+        engine = JaxEngine(
+            "n", model, cell, max_slots=4, max_seq_len=64, decode_steps=1, precompile=True
+        )
+        try:
+            return await asyncio.wait_for(body(engine), 120)
+        finally:
+            await engine.shutdown()
+
+    first, second, after_short = run(main())
+    assert after_short == [("decode", 16, 4)]  # the full width only
+    assert first.output_ids.tolist() == want[:6] and second.output_ids.tolist() == want
 
 
 def test_precompiled_engines_never_compile_after_start(model):

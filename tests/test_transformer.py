@@ -113,18 +113,23 @@ def test_padding_does_not_change_real_tokens():
     np.testing.assert_allclose(out[0, :8], base, atol=1e-5)
 
 
+def prefilled(model, prompts):
+    """Each prompt (<= 8 tokens) prefilled into its own slot of a 16-position cache."""
+    cache = KVCache.create(CONFIG, slots=len(prompts), max_len=16)
+    tokens = np.zeros((len(prompts), 8), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    return model.prefill(jnp.asarray(tokens), lengths, jnp.arange(len(prompts)), cache)
+
+
 def test_prefill_and_decode_equal_full_forward():
     """Slots of different lengths, one inactive, decoded together."""
     model = init_model(CONFIG, seed=3)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 97, n).tolist() for n in (3, 6, 5)]
     continuation = [rng.integers(0, 97, 4).tolist() for _ in prompts]
-    cache = KVCache.create(CONFIG, slots=3, max_len=16)
-    tokens = np.zeros((3, 8), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    logits, cache = model.prefill(jnp.asarray(tokens), jnp.asarray(lengths), jnp.arange(3), cache)
+    logits, cache = prefilled(model, prompts)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(np.asarray(logits[i]), causal_logits(model, p)[-1], atol=1e-4)
     active = np.array([True, False, True])
@@ -137,6 +142,25 @@ def test_prefill_and_decode_equal_full_forward():
                 np.asarray(logits[i]), causal_logits(model, seq)[-1], atol=1e-4
             )
     assert np.asarray(cache.lengths).tolist() == [7, 6, 9]
+
+
+def test_decode_over_the_first_slots_leaves_the_others():
+    """A decode as wide as the busy slots (an engine keeps them first) computes the same
+    logits as a full forward and never touches the slots past its width."""
+    model = init_model(CONFIG, seed=4)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (5, 3, 6, 4)]
+    _, cache = prefilled(model, prompts)
+    before = jax.tree.map(np.asarray, cache)
+    step_tokens = np.array([7, 9], np.int32)
+    logits, cache = model.decode(jnp.asarray(step_tokens), cache, jnp.array([True, True]), 8)
+    assert logits.shape == (2, CONFIG.vocab_size)
+    for i in range(2):
+        seq = prompts[i] + [int(step_tokens[i])]
+        np.testing.assert_allclose(np.asarray(logits[i]), causal_logits(model, seq)[-1], atol=1e-4)
+    assert np.asarray(cache.lengths).tolist() == [6, 4, 6, 4]
+    for old, new in zip(jax.tree.leaves(before)[:-1], jax.tree.leaves(cache)[:-1], strict=True):
+        np.testing.assert_array_equal(np.asarray(new)[2:], old[2:])
 
 
 @pytest.mark.parametrize(

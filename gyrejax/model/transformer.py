@@ -7,7 +7,7 @@ SwiGLU MLP, tied or untied embeddings.
 Two entry points share every layer:
   * training forward over packed tree rows: `model(tokens, positions, subtree_end)`;
   * decoding with a static-shape KV cache: `model.prefill(...)` writes prompts into cache
-    slots, `model.decode(...)` advances every slot by one token.
+    slots, `model.decode(...)` advances the first B slots by one token.
 
 Parameters carry logical axis names (see `sharding.py`); logits are float32.
 """
@@ -280,33 +280,38 @@ class Transformer(nnx.Module):
         active: jax.Array,
         attend_len: int | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Advances every active slot by one token.
+        """Advances every active slot among the first B by one token.
 
         Args:
-          tokens: int32[S], the next input token of each slot (S = cache slots).
+          tokens: int32[B], the next input token of each of the cache's first B slots
+            (B <= cache slots: an engine keeps its busy slots first, so that a batch
+            with few requests computes only as wide as it is).
           cache: holds each slot's context; the token goes to position `lengths[s]`.
-          active: bool[S]; inactive slots compute garbage and keep their length.
+          active: bool[B]; inactive slots compute garbage and keep their length.
           attend_len: static; attention reads only the first `attend_len` cache
             positions (must exceed every active slot's length). Default: all of them.
 
         Returns:
-          float32[S, vocab] next-token logits, and the cache.
+          float32[B, vocab] next-token logits, and the cache.
         """
-        slots = jnp.arange(tokens.shape[0])
-        positions = cache.lengths[:, None]  # [S, 1]
+        width = tokens.shape[0]
+        slots = jnp.arange(width)
+        lengths = cache.lengths[:width]
+        positions = lengths[:, None]  # [B, 1]
         x = self._embed(tokens[:, None])
         new_k, new_v = list(cache.k), list(cache.v)
         for layer, block in enumerate(self.blocks):
             q, k, v = block.attn.project(block.attn_norm(x), positions)
-            new_k[layer] = new_k[layer].at[slots, :, cache.lengths].set(k[:, 0])
-            new_v[layer] = new_v[layer].at[slots, :, cache.lengths].set(v[:, 0])
-            keys, values = new_k[layer], new_v[layer]
+            new_k[layer] = new_k[layer].at[slots, :, lengths].set(k[:, 0])
+            new_v[layer] = new_v[layer].at[slots, :, lengths].set(v[:, 0])
+            # A static prefix of the slots (and positions): read in place, not copied.
+            keys, values = new_k[layer][:width], new_v[layer][:width]
             if attend_len is not None:
                 keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-            out = attention.decode_attention(q[:, 0], keys, values, cache.lengths + 1)
+            out = attention.decode_attention(q[:, 0], keys, values, lengths + 1)
             x = block.finish(x, block.attn.output(out[:, None]))
         logits = self.logits(self.final_norm(x)[:, 0])
-        new_lengths = jnp.where(active, cache.lengths + 1, cache.lengths)
+        new_lengths = cache.lengths.at[:width].set(jnp.where(active, lengths + 1, lengths))
         return logits, KVCache(tuple(new_k), tuple(new_v), new_lengths)
 
 

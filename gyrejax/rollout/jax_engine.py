@@ -3,10 +3,13 @@
 One engine thread owns all state. Each loop iteration it runs the commands that arrived
 (submit, import, export, cancel, weight update, ...), prefills waiting requests into
 free slots (prompt lengths padded to power-of-two buckets), and then runs `decode_steps`
-decode steps for all slots in one compiled call (a `lax.scan`: stop ids, token budgets
-and the context limit are checked on device, so finished slots simply stop advancing).
-Attention reads only a power-of-two prefix of the cache that covers every active slot.
-Shapes are static per bucket, so compiles are few and cached.
+decode steps for its busy slots in one compiled call (a `lax.scan`: stop ids, token
+budgets and the context limit are checked on device, so finished slots simply stop
+advancing). Busy slots are kept first (a freed slot takes the last busy one's KV rows),
+so a decode computes over a width of slots (a power of four) that covers them, not every
+slot: a half-empty engine, or a batch-1 tail, costs what it holds. Attention reads only a
+power-of-two prefix of the cache that covers every busy slot. Shapes are static per
+bucket, so compiles are few and cached.
 
 Each token is sampled with `sample_per_slot` (its own temperature/top-k/top-p and a key
 derived from the request seed and the token's index), carries the exact log-prob under
@@ -23,11 +26,12 @@ executables are kept and counted (`compile_count`). With `precompile=True` the e
 thread never compiles, so a drain, an import, a weight update or a release/resume never
 waits for a compile. Before serving it compiles the cache allocation and KV export and
 import at the largest bucket; a background thread then compiles KV import and export for
-every bucket (small), and each prefill or decode bucket the engine asks for, when first
-needed (`compile_all`: every bucket, ahead of need). Meanwhile the engine runs the
-smallest compiled bucket that fits (the same tokens up to float summation order, since
-padding and a longer attention prefix are masked; KV rows to import are fitted to one on
-the host), or leaves that work waiting while it serves everything else, commands first.
+every bucket (small) and the slot move, and each prefill or decode bucket (length, and
+for decode width) the engine asks for, when first needed (`compile_all`: every bucket,
+ahead of need). Meanwhile the engine runs the cheapest compiled bucket that fits (the
+same tokens up to float summation order, since padding, idle slots and a longer
+attention prefix are masked; KV rows to import are fitted to one on the host), or leaves
+that work waiting while it serves everything else, commands first.
 On CPU-emulated devices a compile takes the cores the cells compute on, so buckets never
 used are not compiled unless asked. `ready()` returns once the engine serves,
 `precompiled()` once its background compiler first ran out of work. Without `precompile`
@@ -40,6 +44,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import math
 import queue
 import threading
 import time
@@ -110,6 +115,8 @@ class JaxEngine(Engine):
         serves, the rest in the background (see the module docstring).
       compile_all: with `precompile`, compile every length bucket in the background
         before it is needed (where compiling costs no accelerator time).
+      narrow: decode only as wide as the busy slots (a power of four); False: every
+        slot in every call, one decode executable per length bucket.
     """
 
     exports_kv = True
@@ -127,6 +134,7 @@ class JaxEngine(Engine):
         version: int = 0,
         precompile: bool = False,
         compile_all: bool = False,
+        narrow: bool = True,
     ):
         self.name = name
         self.config = model.config
@@ -178,6 +186,9 @@ class JaxEngine(Engine):
         self.precompile_s: float | None = None  # from start until `precompiled()`
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._buckets = length_buckets(max_seq_len)
+        self._widths = width_buckets(max_slots) if narrow else [max_slots]
+        self.decode_widths: collections.Counter[int] = collections.Counter()  # calls by width
+        self._decode_wants: collections.Counter[tuple] = collections.Counter()
         self._signature = (
             self.graphdef,
             self.config,
@@ -446,14 +457,17 @@ class JaxEngine(Engine):
         bucket, which fits any length, and the import of such rows), in the background
         ahead of need (KV import, then export, for every bucket: small, and in the same
         order on every engine, so that the bucket an exporter uses is compiled on its
-        importer too), and the prefill and decode buckets (in the background when first
-        needed, or ahead with `compile_all`)."""
+        importer too; the slot move), and the prefill and decode buckets (in the background
+        when first needed, or ahead with `compile_all`: decode at every width)."""
         largest = self._buckets[-1]
         dtype = jnp.dtype(self.config.dtype).name
         serving = [("cache",), ("export", largest), ("import", largest, dtype)]
         smaller = self._buckets[:-1]
-        ahead = [("import", b, dtype) for b in smaller] + [("export", b) for b in smaller]
-        buckets = [(kind, b) for b in reversed(self._buckets) for kind in ("decode", "prefill")]
+        ahead = [("move",)]
+        ahead += [("import", b, dtype) for b in smaller] + [("export", b) for b in smaller]
+        buckets = []
+        for b in reversed(self._buckets):
+            buckets += [("decode", b, w) for w in reversed(self._widths)] + [("prefill", b)]
         return serving, ahead, buckets
 
     def _precompile_start(self) -> None:
@@ -509,25 +523,23 @@ class JaxEngine(Engine):
         finally:
             self._precompiled.set()
 
-    def _bucketed(self, kind: str, length: int) -> tuple[jax.stages.Compiled, int] | None:
-        """The prefill, decode or export executable for `length` (a bucket) and the
-        bucket it runs at. Without `precompile`: `length`'s own, compiled now if need
-        be. With it, never a compile on this thread: the smallest compiled bucket >=
-        length, or None if there is none yet (a prefill or decode bucket wanted goes to
-        the front of the background queue)."""
-        key = (kind, length)
+    def _bucketed(self, key: tuple, compile_key: tuple | None = None) -> tuple | None:
+        """The prefill, decode or export executable for `key` (kind, length bucket[,
+        width]) and the bucket it runs at: (executable, length[, width]). Without
+        `precompile`: `key`'s own, compiled now if need be. With it, never a compile on
+        this thread: `runnable_bucket` of the compiled ones, or None; a prefill or
+        decode goes to the front of the background queue (`key`, or `compile_key`)."""
         if key in self._executables or not self._precompile:
-            return self._executable(key), length
-        if kind != "export":  # exports keep their place after the imports (_executable_keys)
-            with self._pending_changed:
-                if key in self._pending:
-                    self._pending.remove(key)
-                self._pending.insert(0, key)
+            return self._executable(key), *key[1:]
+        wanted = compile_key or key
+        if key[0] != "export" and wanted not in self._executables:  # exports keep their
+            with self._pending_changed:  # place after the imports (_executable_keys)
+                if wanted in self._pending:
+                    self._pending.remove(wanted)
+                self._pending.insert(0, wanted)
                 self._pending_changed.notify_all()
-        for bucket in self._buckets:
-            if bucket >= length and (kind, bucket) in self._executables:
-                return self._executables[(kind, bucket)], bucket
-        return None
+        chosen = runnable_bucket(key, list(self._executables))  # list(): one GIL step
+        return None if chosen is None else (self._executables[chosen], *chosen[1:])
 
     def _executable(self, key: tuple) -> jax.stages.Compiled:
         """The compiled executable for `key`: this engine's, another engine's with the
@@ -560,9 +572,10 @@ class JaxEngine(Engine):
         shardings pinned so that outputs fed back in match what was compiled).
 
         Keys: ("cache",) allocates the KV cache; ("prefill", T) runs one prompt padded to
-        T; ("decode", A) runs `decode_steps` steps attending to A cache positions;
-        ("export", L) reads one slot's first L positions; ("import", L, dtype) writes L
-        rows of that dtype into a slot.
+        T; ("decode", A, W) runs `decode_steps` steps of the first W slots attending to
+        A cache positions; ("export", L) reads one slot's first L positions; ("import",
+        L, dtype) writes L rows of that dtype into a slot; ("move",) copies one slot's
+        rows and length into another.
         """
         rep, cache, params = self._replicated, self._abstract_cache(), self._abstract_params
 
@@ -586,12 +599,11 @@ class JaxEngine(Engine):
             one = host((1,), jnp.int32)
             args = (params, host((1, length), jnp.int32), one, one, cache, *sampling(1)[:5])
         elif kind == "decode":
-            (length,) = rest
+            length, s = rest
             fn = functools.partial(_decode_steps, self.graphdef, self.decode_steps, length)
             jitted = jax.jit(
                 fn, donate_argnums=(2,), out_shardings=(rep, rep, rep, self._cache_shardings)
             )
-            s = self.max_slots
             args = (
                 params,
                 host((s,), jnp.int32),
@@ -604,6 +616,9 @@ class JaxEngine(Engine):
             (length,) = rest
             jitted = jax.jit(functools.partial(_read_rows, length), out_shardings=rep)
             args = (cache, host((), jnp.int32))
+        elif kind == "move":
+            jitted = jax.jit(_move_slot, donate_argnums=(0,), out_shardings=self._cache_shardings)
+            args = (cache, host((), jnp.int32), host((), jnp.int32))
         elif kind == "import":
             length, dtype = rest
             fn = functools.partial(_write_rows, min(length, self.max_seq_len))
@@ -691,7 +706,7 @@ class JaxEngine(Engine):
             prefill = None
             if live.kv is None or not len(live.output_ids):
                 n = len(live.request.prompt_ids) + len(live.output_ids)
-                prefill = self._bucketed("prefill", min(bucket_length(n), self.max_seq_len))
+                prefill = self._bucketed(("prefill", min(bucket_length(n), self.max_seq_len)))
                 if prefill is None:
                     deferred.append((live, future, loop))
                     continue
@@ -773,21 +788,47 @@ class JaxEngine(Engine):
         slot.length = n
         self._next_token[index] = int(live.output_ids[-1])
 
+    def _compact(self) -> None:
+        """Moves the last busy slots into the first free ones (KV rows, length, next
+        token), so that the busy slots come first and a decode is only as wide as they
+        are. Skipped while the move is not compiled yet (the decode is then wider)."""
+        if ("move",) not in self._executables and self._precompile:
+            return
+        while True:
+            busy = [i for i, slot in enumerate(self._slots) if slot is not None]
+            if not busy or busy[-1] < len(busy):  # 0..n-1 all busy
+                return
+            free, last = self._slots.index(None), busy[-1]
+            move = self._executable(("move",))
+            self._cache = move(self._cache, np.int32(last), np.int32(free))
+            self._slots[free], self._slots[last] = self._slots[last], None
+            self._next_token[free] = self._next_token[last]
+
     def _decode(self) -> bool:
-        """Runs `decode_steps` steps for every slot; False if no decode executable that
-        fits is compiled yet (the slots wait for the background compile)."""
+        """Runs `decode_steps` steps for the busy slots; False if no decode executable
+        that fits is compiled yet (the slots wait for the background compile)."""
+        self._compact()
         active_idx = [i for i, s in enumerate(self._slots) if s is not None]
-        active = np.zeros(self.max_slots, bool)
-        active[active_idx] = True
         longest = max(self._slots[i].length for i in active_idx)
         attend = min(bucket_length(longest + self.decode_steps), self.max_seq_len)
-        found = self._bucketed("decode", attend)
+        wide = next(w for w in self._widths if w > active_idx[-1])
+        key = ("decode", attend, wide)
+        # A narrower width is compiled once it was wanted for a while, not for a passing
+        # dip: on CPU even a cache hit costs a trace, on the cores the cells decode on.
+        # Until then a wider one runs (first of all, the full width: it fits any batch).
+        self._decode_wants[key] += 1
+        patient = self._decode_wants[key] >= NARROW_AFTER_CALLS
+        found = self._bucketed(key, None if patient else ("decode", attend, self.max_slots))
         if found is None:
             return False
-        arrays = self._sampling_arrays(list(range(self.max_slots)))
-        tokens, logprobs, emitted, self._cache = found[0](
+        decode, _, width = found
+        self.decode_widths[width] += 1
+        active = np.zeros(width, bool)
+        active[[i for i in active_idx if i < width]] = True
+        arrays = self._sampling_arrays(list(range(width)))
+        tokens, logprobs, emitted, self._cache = decode(
             self._params,
-            self._next_token.copy(),
+            self._next_token[:width].copy(),
             self._cache,
             active,
             *arrays,
@@ -826,7 +867,8 @@ class JaxEngine(Engine):
         slot = self._slots[index]
         # Rows up to a length bucket, not exactly n: one compiled copy per bucket (the
         # largest is compiled before the engine serves, so some always fits).
-        export, _ = self._bucketed("export", min(bucket_length(slot.length), self.max_seq_len))
+        length = min(bucket_length(slot.length), self.max_seq_len)
+        export, _ = self._bucketed(("export", length))
         kv = export(self._cache, np.int32(index))
         live = LiveRequest(
             request=slot.request,
@@ -868,6 +910,10 @@ class _Hang(Exception):
     """Raised on the engine thread by `simulate_failure("hang")`."""
 
 
+# Decode calls that must want a narrower width before the engine compiles it.
+NARROW_AFTER_CALLS = 16
+
+
 def length_buckets(max_len: int) -> list[int]:
     """Every length `min(bucket_length(n), max_len)` takes for 1 <= n <= max_len: the
     prompt, attention and KV-copy lengths an engine with this cache length compiles."""
@@ -876,6 +922,47 @@ def length_buckets(max_len: int) -> list[int]:
         buckets.append(length)
         length *= 2
     return [*buckets, max_len]
+
+
+def runnable_bucket(key: tuple, compiled: list[tuple]) -> tuple | None:
+    """Which compiled executable runs `key` (kind, length[, width]) until its own is
+    compiled: the cheapest one at least as long and wide (work ~ length x width); for a
+    decode, else the widest as long but narrower (it decodes the first slots only: the
+    others wait a call, not the compile); else None."""
+    kind = key[0]
+    fits = [
+        k
+        for k in compiled
+        if k[0] == kind
+        and len(k) == len(key)
+        and all(a >= b for a, b in zip(k[1:], key[1:], strict=True))
+    ]
+    if fits:
+        return min(fits, key=lambda k: (math.prod(k[1:]), k[1:]))
+    narrower = [k for k in compiled if k[0] == kind == "decode" and k[1] >= key[1]]
+    return max(narrower, key=lambda k: (k[2], -k[1])) if narrower else None
+
+
+def width_buckets(max_slots: int) -> list[int]:
+    """The decode widths an engine with `max_slots` compiles: powers of four below it,
+    then `max_slots` itself. A decode wastes at most 4x on idle slots (not `max_slots`
+    times), and every length bucket compiles at most this many widths."""
+    widths, width = [], 1
+    while width < max_slots:
+        widths.append(width)
+        width *= 4
+    return [*widths, max_slots]
+
+
+def _move_slot(cache: KVCache, source, target) -> KVCache:
+    """Copies cache slot `source` (all positions, and its length) into slot `target`."""
+
+    def move(layer_cache):
+        rows = jax.lax.dynamic_index_in_dim(layer_cache, source, keepdims=True)
+        return jax.lax.dynamic_update_slice(layer_cache, rows, (target, 0, 0, 0))
+
+    k, v = tuple(map(move, cache.k)), tuple(map(move, cache.v))
+    return KVCache(k, v, cache.lengths.at[target].set(cache.lengths[source]))
 
 
 def _read_rows(length: int, cache: KVCache, slot) -> tuple:
@@ -927,7 +1014,8 @@ def _decode_steps(
     stops,
     max_len,
 ):
-    """`num_steps` decode steps; returns tokens, log-probs and emitted masks [K, S]."""
+    """`num_steps` decode steps of the cache's first W slots (W: the width of `tokens`);
+    returns tokens, log-probs and emitted masks [K, W]."""
     model = nnx.merge(graphdef, params)
 
     def step(carry, _):
@@ -936,7 +1024,7 @@ def _decode_steps(
         new, logprob = sample_per_slot(logits, temperature, top_k, top_p, seed, index)
         index = index + active
         stopped = jnp.any(new[:, None] == stops, axis=-1)
-        exhausted = (index >= max_new) | (cache.lengths >= max_len)
+        exhausted = (index >= max_new) | (cache.lengths[: tokens.shape[0]] >= max_len)
         emitted = active
         tokens = jnp.where(active, new, tokens)
         active = active & ~stopped & ~exhausted
