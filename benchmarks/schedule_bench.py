@@ -6,6 +6,7 @@ Usage:
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
                                       [--real_processes P] [--real_lookaheads]
+                                      [--real_cell_capacities N,...]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -45,7 +46,10 @@ Every real run's log is its workdir's launch.log; runs already finished in
 `--real_processes 2` runs each real run as 2 processes of 4 devices, each pinned to a core
 of its own (launch/local.sh --pin): a cell freed from rollout then adds compute.
 `--real_lookaheads` adds async and elastic at their non-default dispatch depth
-(`scheduler.lookahead`: async "gate", elastic "phi").
+(`scheduler.lookahead`: async "gate", elastic "phi"). `--real_cell_capacities 32,64`
+adds elastic counting each rollout cell as serving that many executions
+(`scheduler.cell_capacity`; the engines keep their slots): an agent waiting on a tool
+holds no slot, so elastic's waterlevel may free more cells (async's split does not use it).
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -423,12 +427,16 @@ REGIMES = {
 
 
 def real_variants(
-    cells: int = 4, mus: tuple[int, ...] = (1, 2), lookaheads: bool = False
+    cells: int = 4,
+    mus: tuple[int, ...] = (1, 2),
+    lookaheads: bool = False,
+    cell_capacities: tuple[int, ...] = (),
 ) -> list[tuple[str, list[str]]]:
     """Every policy at every publication cadence mu (and async at every split), all under
     tiny_cpu's gate S = 3: each policy's best is the fairly tuned one. `lookaheads`: also
     async and elastic at the dispatch depth that is not their default (async "gate",
-    elastic "phi"), as the simulator's sweep has them."""
+    elastic "phi"), as the simulator's sweep has them. `cell_capacities`: also elastic
+    with each of these `scheduler.cell_capacity` values."""
     variants = []
     for mu in mus:
         cadence = [f"--config.scheduler.mu={mu}"]
@@ -444,6 +452,9 @@ def real_variants(
         if lookaheads:
             flags = ["--config.scheduler.policy=elastic", "--config.scheduler.lookahead=phi"]
             variants.append((f"elastic mu={mu} phi", [*flags, *cadence]))
+        for n in cell_capacities:
+            flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.cell_capacity={n}"]
+            variants.append((f"elastic mu={mu} cap={n}", [*flags, *cadence]))
     return variants
 
 
@@ -472,7 +483,10 @@ def real_runs(args) -> dict:
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
         results[key] = {}
-        for name, flags in real_variants(lookaheads=args.real_lookaheads):
+        capacities = tuple(int(n) for n in args.real_cell_capacities.split(",") if n)
+        for name, flags in real_variants(
+            lookaheads=args.real_lookaheads, cell_capacities=capacities
+        ):
             folder = regime if processes == 1 else f"{regime}_p{processes}"
             workdir = root / folder / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
             if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
@@ -510,6 +524,8 @@ def real_runs(args) -> dict:
                 tail = (workdir / "launch.log").read_text().splitlines()[-20:]
                 raise SystemExit(f"{name} ({regime}) failed:\n" + "\n".join(tail))
             results[key][name] = calibrate.read_run(workdir)
+        for run in results[key].values():
+            run["outside_calls_bound_s"] = calibrate.outside_calls_bound_s(run["workdir"])
         _print_real(key, results[key])
     return {"root": str(root), "runs": results}
 
@@ -518,16 +534,17 @@ def _print_real(regime: str, runs: dict) -> None:
     _, elastic = best_of(runs, "elastic")
     print(f"\n### real tiny CPU runs, regime: {regime} (4 cells, equal work, S = 3)\n")
     print(
-        "| variant | steps | RL wall s | / best elastic | utilisation | idle share: "
-        + ", ".join(IDLE_CAUSES)
-        + " | reward first -> last | switches | max staleness |"
+        "| variant | steps | RL wall s | / best elastic | / own bound | utilisation | idle "
+        "share: " + ", ".join(IDLE_CAUSES) + " | reward first -> last | switches | max staleness |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         idle = ", ".join(f"{r['idle_share'].get(k, 0):.2f}" for k in IDLE_CAUSES)
+        bound = r.get("outside_calls_bound_s")
+        over = f"{r['wall_s'] / bound:.2f}" if bound else "-"
         print(
             f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {r['wall_s'] / elastic['wall_s']:.2f}x "
-            f"| {r['utilisation']:.3f} | {idle} "
+            f"| {over} | {r['utilisation']:.3f} | {idle} "
             f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['switches']} "
             f"| {r['staleness_max']:.0f} |"
         )
@@ -536,6 +553,10 @@ def _print_real(regime: str, runs: dict) -> None:
     print(f"\nbest of each policy: {listed}")
     baseline = min(best["colocate"][1]["wall_s"], best["async"][1]["wall_s"])
     print(f"elastic vs the better baseline: {baseline / elastic['wall_s']:.2f}x")
+    print(
+        "/ own bound: the wall over a lower bound from the run's own executions (their time "
+        "outside model calls, the fastest step, the gate: calibrate.outside_calls_bound_s)"
+    )
 
 
 def calibrate_and_predict(args, real: dict | None) -> dict:
@@ -630,6 +651,11 @@ def main() -> None:
         "--real_lookaheads",
         action="store_true",
         help="also async and elastic at their non-default dispatch depth (lookahead)",
+    )
+    parser.add_argument(
+        "--real_cell_capacities",
+        default="",
+        help="also elastic with each scheduler.cell_capacity, e.g. 32,64",
     )
     parser.add_argument(
         "--real_processes",

@@ -293,6 +293,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.scheduler.mu = 2
     c.scheduler.async_training_cells = 1
     c.scheduler.lookahead = "default"
+    c.scheduler.cell_capacity = 0  # 0: rollout.max_slots
     c.scheduler.max_staleness = 3  # phi + mu
     c.scheduler.progress_every_s = 60.0
 

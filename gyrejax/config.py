@@ -488,6 +488,11 @@ class SchedulerConfig:
     # (rollout holds the cells that depth needs), "phi" only (phi + mu) steps ahead;
     # "default": each policy's own (elastic "gate", async "phi").
     lookahead: str = "default"
+    # Executions a rollout cell counts as serving in the policies' view (0: its engine's
+    # rollout.max_slots). An agent waiting on a tool holds no slot: where executions
+    # spend most of their time in tool calls, max_slots over the share of the time they
+    # generate lets elastic's waterlevel free the cells whose engines would only idle.
+    cell_capacity: int = 0
     # S: no group is trained more than S weight versions after the one it was sampled
     # with (None: groups train in finish order, bounded only by the dispatch depth).
     max_staleness: int | None = None
@@ -496,7 +501,7 @@ class SchedulerConfig:
     def __post_init__(self):
         _one_of("scheduler", self, "policy", POLICIES)
         _one_of("scheduler", self, "lookahead", ("default", "gate", "phi"))
-        _non_negative("scheduler", self, "phi")
+        _non_negative("scheduler", self, "phi", "cell_capacity")
         _positive("scheduler", self, "mu", "async_training_cells")
         if self.max_staleness is not None:
             _non_negative("scheduler", self, "max_staleness")
@@ -614,6 +619,12 @@ class Config:
                         prompt,
                         f"token {token} >= model.vocab_size={self.model.vocab_size}",
                     )
+
+    @property
+    def cell_capacity(self) -> int:
+        """Executions a rollout cell serves in the policies' view (scheduler.cell_capacity,
+        or the engine's slots)."""
+        return self.scheduler.cell_capacity or self.rollout.max_slots
 
 
 def _coerce(path: str, value: Any, hint: Any) -> Any:

@@ -133,6 +133,23 @@ LOAD_TRUTH = SimConfig(
 )
 
 
+@pytest.mark.parametrize("policy", ["elastic", "async", "colocate"])
+def test_the_outside_calls_bound_is_never_beaten(tmp_path, policy):
+    """A run's bound from its executions' time outside model calls never exceeds its
+    wall; with long tool calls it holds much of what elastic takes, which dispatches as
+    deep as the gate allows (colocate and async at their default depth lag far behind)."""
+    for seed, mu in ((0, 1), (1, 2), (2, 1)):
+        truth = LOAD_TRUTH.replace(seed=seed, mu=mu, tool_median_s=20.0, timeout_s=1e4)
+        workdir = tmp_path / f"{seed}"
+        calibrate.write_run_logs(truth, simulate(truth, policy), policy, workdir, 3.0)
+        wall = json.loads((workdir / "run_summary.json").read_text())["wall_s"]
+        bound = calibrate.outside_calls_bound_s(workdir)
+        assert 0 < bound <= wall + 1e-9, (seed, mu, bound, wall)
+        assert policy != "elastic" or bound > 0.5 * wall, (seed, mu, bound, wall)
+    (workdir / "executions").rename(tmp_path / "gone")  # no model calls: no bound
+    assert calibrate.outside_calls_bound_s(workdir) is None
+
+
 def test_load_fit_recovers_known_parameters_from_a_simulated_log(tmp_path):
     result = simulate(LOAD_TRUTH, "elastic")
     calibrate.write_run_logs(LOAD_TRUTH, result, "elastic", tmp_path, startup_s=3.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gyrejax.scheduler.policies import (
@@ -253,3 +255,24 @@ def test_the_scheduler_config_sets_each_policys_dispatch_depth():
     assert built("colocate", "gate").label == "colocate"
     with pytest.raises(ConfigError, match=r"scheduler\.lookahead='deep'"):
         SchedulerConfig(lookahead="deep")
+
+
+def test_the_cell_capacity_the_policies_see():
+    """`scheduler.cell_capacity` (0: the engine's slots) is what a rollout cell serves in
+    the policies' view: elastic's waterlevel then frees the cells whose engines would
+    only idle while agents wait on tools."""
+    from gyrejax.config import Config, ConfigError, RolloutConfig, SchedulerConfig
+    from gyrejax.loop.context import schedule_of
+
+    slots = Config(rollout=RolloutConfig(max_slots=16))
+    assert slots.cell_capacity == 16 and schedule_of(slots, 4).capacity == 16
+    tools = dataclasses.replace(slots, scheduler=SchedulerConfig(cell_capacity=40))
+    assert tools.cell_capacity == 40 and schedule_of(tools, 4).capacity == 40
+    with pytest.raises(ConfigError, match=r"scheduler\.cell_capacity=-1"):
+        SchedulerConfig(cell_capacity=-1)
+    # 50 executions in flight, 4 cells serving: at 16 each the other three (48) cannot
+    # hold them, so the core stays; at 40 each it leaves (and the next ones after it).
+    for capacity, frees in ((16, False), (40, True)):
+        policy = elastic_after_boundary()
+        decision = policy(view(capacity=capacity, executions_in_flight=50))
+        assert decision.transitions == (((0, T),) if frees else ()), capacity

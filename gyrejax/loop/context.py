@@ -21,7 +21,7 @@ def schedule_of(config: Config, cells: int) -> Schedule:
     s = config.scheduler
     return Schedule(
         cells=cells,
-        capacity=config.rollout.max_slots,
+        capacity=config.cell_capacity,
         group_size=config.rl.group_size,
         groups_per_step=config.rl.groups_per_step,
         mu=s.mu,

@@ -216,7 +216,7 @@ def schedule_fields(config: Config, cells: int) -> dict:
     return {
         "policy": sched.policy,
         "cells": cells,
-        "capacity": config.rollout.max_slots,
+        "capacity": config.cell_capacity,
         "group_size": config.rl.group_size,
         "groups_per_step": config.rl.groups_per_step,
         "steps": config.train.steps,

@@ -83,7 +83,9 @@ from gyrejax.scheduler.simulator import (
     SMALLEST_BUCKET_LOG2,
     SimConfig,
     SimResult,
+    Trace,
     context_bucket,
+    makespan_bound_s,
     simulate,
 )
 from gyrejax.trajectory.store import MAGIC, escape_id, read_header
@@ -175,6 +177,52 @@ def read_run(workdir: Path) -> dict:
         "staleness_max": max((s.get("staleness_max", 0.0) for s in steps), default=0.0),
         "staleness_mean": float(np.mean([s.get("staleness_mean", 0.0) for s in steps] or [0.0])),
     }
+
+
+def outside_calls_bound_s(workdir: Path) -> float | None:
+    """A lower bound on a finished run's wall time, from its own executions: each lasts
+    at least its time outside model calls (tool calls, the harness), every step at least
+    the fastest step of the run, and the gate S orders them as
+    `simulator.makespan_bound_s` has it (groups in the run's dispatch order, any
+    cadence, rollout slots unlimited), after the run's first dispatch. It bounds this
+    run only (another run's executions differ); wall / bound is what model calls, slots
+    and scheduling added. None without model calls or a full set of groups."""
+    workdir = Path(workdir)
+    try:
+        calls = read_calls(workdir)
+    except ValueError:
+        return None
+    in_calls: dict[str, float] = {}
+    for c in calls:
+        in_calls[c["execution"]] = in_calls.get(c["execution"], 0.0) + c["end"] - c["start"]
+    members: dict[str, list[float]] = {}
+    for e in read_jsonl(workdir / "executions.jsonl"):
+        outside = e["finished_s"] - e["started_s"] - in_calls.get(e["execution"], 0.0)
+        members.setdefault(e["group"], []).append(max(0.0, outside))
+    dispatched = sorted(read_jsonl(workdir / "dispatch.jsonl"), key=lambda d: d["seq"])
+    steps = [s for s in read_jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
+    schedule = json.loads((workdir / "run_summary.json").read_text())["schedule"]
+    n, b = schedule["group_size"], schedule["groups_per_step"]
+    groups = [members.get(d["group"], []) for d in dispatched][: len(steps) * b]
+    if not steps or len(groups) < len(steps) * b:
+        return None
+    durations = np.array([(g + [0.0] * n)[:n] for g in groups])
+    # Two cells sharing a step's work: `step_s` of each group's tokens makes the B
+    # cheapest groups' training take exactly the fastest step.
+    fastest = min(s["step_s"] for s in steps)
+    sim = SimConfig(
+        cells=2,
+        capacity=len(durations) * n,  # slots bind nothing
+        group_size=n,
+        groups_per_step=b,
+        steps=len(steps),
+        mu=1,
+        max_staleness=schedule["max_staleness"],
+        train_s_per_token=1.0,
+    )
+    tokens = np.full(durations.shape, 2 * fastest / (b * n))
+    trace = Trace(durations, tokens, np.zeros(durations.shape, bool))
+    return dispatched[0]["time"] + makespan_bound_s(sim, trace)
 
 
 def _lognormal(values: np.ndarray) -> tuple[float, float]:
