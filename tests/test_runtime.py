@@ -92,13 +92,21 @@ def launch(workdir, steps):
     )  # fmt: skip
 
 
+def checkpoint_steps(workdir) -> list[int]:
+    folder = workdir / "checkpoints"
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+
+
 def test_kill_and_resume_through_launch(tmp_path):
-    first = launch(tmp_path, steps=4)
+    # With a warm compilation cache a smoke step takes ~0.1 s, and checkpoint 2 is gone
+    # (keep = 2) two steps later: the run is 8 steps long and is killed at the first
+    # checkpoint >= 2 seen, polled often, so that the kill lands before its end.
+    first = launch(tmp_path, steps=8)
     deadline = time.time() + 400
-    while not (tmp_path / "checkpoints" / "2").exists():
+    while max(checkpoint_steps(tmp_path), default=0) < 2:
         assert first.poll() is None, first.stderr.read()[-3000:]
         assert time.time() < deadline, "no checkpoint 2 in time"
-        time.sleep(0.5)
+        time.sleep(0.02)
     first.send_signal(signal.SIGKILL)
     first.wait()
     before = {e.execution_id for e in ExecutionStore(tmp_path / "executions")}
@@ -106,7 +114,7 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert len(steps_before) >= 2
     # What a kill mid-write leaves: a torn last line in each log, and a metrics row of a
     # step trained after the newest checkpoint (its update died with the process).
-    newest = max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    newest = max(checkpoint_steps(tmp_path))
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": newest + 1, "groups": ["lost-with-the-kill"]}) + "\n")
         f.write('{"step": 9, "lo')
@@ -114,7 +122,7 @@ def test_kill_and_resume_through_launch(tmp_path):
         with open(tmp_path / name, "a") as f:
             f.write('{"group": "g9", "se')
 
-    second = launch(tmp_path, steps=4)
+    second = launch(tmp_path, steps=8)
     _, stderr = second.communicate(timeout=600)
     assert second.returncode == 0, stderr[-3000:]
     resumed = re.search(r"resumed from step (\d+)", stderr)
@@ -128,7 +136,7 @@ def test_kill_and_resume_through_launch(tmp_path):
     # the history: each step once, the first run's up to the checkpoint, then the
     # second's. No group is trained twice in it.
     steps = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [s["step"] for s in steps] == list(range(1, 9))
     assert steps[:resumed_at] == [s for s in steps_before if s["step"] <= resumed_at]
     trained = [g for s in steps for g in s["groups"]]
     assert len(trained) == len(set(trained)) and "lost-with-the-kill" not in trained
@@ -136,7 +144,7 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert len(dispatched) == len(set(dispatched)) and set(trained) <= set(dispatched)
     assert read_jsonl(tmp_path / "transitions.jsonl")
     summary = json.loads((tmp_path / "run_summary.json").read_text())
-    assert summary["steps"] == 4
+    assert summary["steps"] == 8
 
 
 def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path, bpe_tokenizer):
