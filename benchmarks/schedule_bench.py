@@ -479,11 +479,11 @@ def real_runs(args) -> dict:
     # process (its share of the devices) on a core of its own, like a host.
     prefix = ["bash", "launch/local.sh", str(processes), "--pin", "--"] if processes > 1 else []
     layout = [f"--config.cells.num_cpu_devices={8 // processes}"] if processes > 1 else []
+    capacities = tuple(int(n) for n in args.real_cell_capacities.split(",") if n)
     results = {}
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
         results[key] = {}
-        capacities = tuple(int(n) for n in args.real_cell_capacities.split(",") if n)
         for name, flags in real_variants(
             lookaheads=args.real_lookaheads, cell_capacities=capacities
         ):

@@ -794,12 +794,13 @@ class JaxEngine(Engine):
         are. Skipped while the move is not compiled yet (the decode is then wider)."""
         if ("move",) not in self._executables and self._precompile:
             return
-        while True:
-            busy = [i for i, slot in enumerate(self._slots) if slot is not None]
-            if not busy or busy[-1] < len(busy):  # 0..n-1 all busy
-                return
-            free, last = self._slots.index(None), busy[-1]
-            move = self._executable(("move",))
+        busy = [i for i, slot in enumerate(self._slots) if slot is not None]
+        holes = [i for i in range(len(busy)) if self._slots[i] is None]
+        if not holes:  # 0..n-1 all busy
+            return
+        move = self._executable(("move",))
+        # As many busy slots lie at n or beyond as there are holes below n: the last ones.
+        for free, last in zip(holes, reversed(busy), strict=False):
             self._cache = move(self._cache, np.int32(last), np.int32(free))
             self._slots[free], self._slots[last] = self._slots[last], None
             self._next_token[free] = self._next_token[last]
