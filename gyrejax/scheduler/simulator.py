@@ -506,7 +506,9 @@ def makespan_bound_s(config: SimConfig, trace: Trace) -> float:
         gate), can roll out, each for at most t1 seconds; every other cell-second of work
         comes after t1;
       * the deadline chain (`_deadline_chain`): every group must be trained within S
-        steps of the step whose end let it be dispatched.
+        steps of the step whose end let it be dispatched;
+      * the gate's windows (`gate_windows_bound_s`): a group trained by step k ran between the
+        end of step k - S - 1 and the start of step k, for any cadence and order.
     """
     c = config
     key = (c.cells, c.capacity, c.groups_per_step, c.steps, c.max_staleness, c.train_s_per_token)
@@ -528,7 +530,39 @@ def _makespan_bound(config: SimConfig, trace: Trace) -> float:
     work = lower_bound_s(c, trace) * c.cells
     fill = t1 + (work - rollout_before) / c.cells
     idle_fill = c.cells * t1 - rollout_before
-    return max(work / c.cells, chain[-1], fill, _deadline_chain(c, trace, idle_fill))
+    deadlines = _deadline_chain(c, trace, idle_fill)
+    return max(work / c.cells, chain[-1], fill, deadlines, gate_windows_bound_s(c, trace))
+
+
+def gate_windows_bound_s(config: SimConfig, trace: Trace) -> float:
+    """The gate's windows: a lower bound on the makespan of any policy, cadence, depth
+    and dispatch order that keeps the gate S (0 without a gate).
+
+    A group g trained by step k (0-indexed; the trainer is then at version k) carries a
+    rollout version v >= k - S, and versions are published only when steps end, so g
+    was dispatched no sooner than E_{k-S-1}, the end of step k - S - 1 (time 0 when that
+    is < 0), and finished no later than step k starts. So with D_k the longest duration
+    among step k's groups and tau_k its training time,
+        E_k >= E_{k-S-1} + D_k + tau_k,
+    a chain through the steps of each residue modulo S + 1, and E_{K-1} >= E_{K-1-j} +
+    j tau_min. Averaging the n = min(S + 1, K) chains, which end at steps K-1-j
+    (j < n) and hold every step between them:
+        E_{K-1} >= (sum_k D_k + sum_k tau_k) / n + (n - 1) tau_min / 2.
+    Every group is trained once, so sum_k tau_k is the whole training work over the cells
+    (at most all cells train); and sum_k D_k is smallest when the steps take the groups in
+    order of duration: the i-th largest D_k of any split into steps of B is at least the
+    (i - 1) B + 1-th longest group, since the (i - 1) B + 1 longest lie in at least i
+    steps. Unlimited slots and free switches are assumed, so it holds for every shape.
+    """
+    c = config
+    if c.max_staleness is None:
+        return 0.0
+    b_groups, chains = c.groups_per_step, min(c.max_staleness + 1, c.steps)
+    longest = np.sort(trace.duration_s.max(axis=1))[::-1]
+    train = trace.tokens.sum(axis=1) * c.train_s_per_token / c.cells
+    step_min = float(np.sort(train)[:b_groups].sum())
+    total = float(longest[::b_groups].sum()) + float(train.sum())
+    return total / chains + (chains - 1) * step_min / 2
 
 
 def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
