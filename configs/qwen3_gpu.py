@@ -220,6 +220,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.max_slots = 32  # concurrent executions per engine; the table says how many fit
     c.rollout.max_seq_len = row_length
     c.rollout.temperature = 1.0
+    c.rollout.narrow = True  # decode only as wide as the busy slots (JAX engines)
     # vLLM's share of a device; the core cell keeps the trainer's state beside it (with
     # float32 masters and moments 28.7 GB for 8b: 0.85 would exceed the device).
     c.rollout.gpu_memory_utilization = 0.75

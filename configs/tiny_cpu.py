@@ -95,6 +95,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.max_slots = 16
     c.rollout.max_seq_len = 640
     c.rollout.temperature = 1.0
+    c.rollout.narrow = True  # decode only as wide as the busy slots (JAX engines)
     c.rollout.gpu_memory_utilization = 0.9  # a vLLM engine's share of a GPU; unused on CPU
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, by URL (vLLM servers, gyrejax engine servers); they

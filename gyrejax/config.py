@@ -259,6 +259,9 @@ class RolloutConfig:
     max_slots: int = 8  # concurrent sequences per engine.
     max_seq_len: int = 2048  # KV-cache length per slot.
     temperature: float = 1.0
+    # JAX engines decode only as wide as their busy slots (a power of four, or max_slots):
+    # a batch-1 tail costs one slot, not all. False: every decode computes every slot.
+    narrow: bool = True
     # The fraction of each device's memory a vLLM engine may take (weights, KV cache, its
     # activations); the trainer's state on the core cell needs the rest. Unused on CPU,
     # where a vLLM engine's KV cache is sized to max_slots x max_seq_len exactly.

@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from gyrejax.cells import split_into_cells
-from gyrejax.config import TRAIN_SHARDING_RULES, CellsConfig, ModelConfig
+from gyrejax.config import TRAIN_SHARDING_RULES, CellsConfig, ModelConfig, RolloutConfig
 from gyrejax.model import sharding
 from gyrejax.model.sampling import generate
 from gyrejax.model.transformer import init_model
+from gyrejax.rollout.factory import make_engine
 from gyrejax.rollout.jax_engine import (
     JaxEngine,
     length_buckets,
@@ -91,6 +92,22 @@ def test_decode_narrows_as_requests_finish(model):
     # 5 busy: width 8; then 4, 3, 2 (width 4) and the last one alone, moved to slot 0.
     assert set(widths) == {8, 4, 1}, widths
     assert widths[1] >= (56 - 40) // 4
+
+    # rollout.narrow=False (through the factory, as the RL loop builds engines): every
+    # decode is full width, with the same tokens.
+    config = RolloutConfig(max_slots=8, max_seq_len=256, narrow=False)
+
+    async def wide():
+        engine = make_engine(split_into_cells(CellsConfig(size=1))[0], model, config)
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    full, widths = run(wide())
+    assert set(widths) == {8}, widths
+    for got, narrow in zip(full, results, strict=True):
+        assert got.output_ids.tolist() == narrow.output_ids.tolist()
 
 
 def test_seeded_sampling_is_independent_of_batch_and_engine(model):

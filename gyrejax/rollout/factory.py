@@ -51,6 +51,7 @@ def _jax_engine(
         rules=config.sharding_rules,
         version=version,
         precompile=precompile,
+        narrow=config.narrow,
     )
 
 

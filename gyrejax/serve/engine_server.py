@@ -282,6 +282,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_slots", 8, "Concurrent requests (--engine=jax).")
     flags.DEFINE_integer("max_seq_len", 2048, "Prompt + output tokens per request.")
     flags.DEFINE_integer("decode_steps", 8, "Decode steps per compiled call.")
+    flags.DEFINE_bool("narrow", True, "Decode only as wide as the busy slots (--engine=jax).")
     flags.DEFINE_integer("version", 0, "Policy version of the served weights.")
     flags.DEFINE_float("scripted_delay_s", 0.0, "Answer delay of --engine=scripted.")
     flags.DEFINE_string(
@@ -333,6 +334,7 @@ def build_engine() -> Engine:
         max_seq_len=FLAGS.max_seq_len,
         decode_steps=FLAGS.decode_steps,
         version=FLAGS.version,
+        narrow=FLAGS.narrow,
     )
 
 
