@@ -7,6 +7,7 @@ Usage:
                                       [--real_workdir DIR] [--real_regimes compute,latency]
                                       [--real_processes P] [--real_lookaheads]
                                       [--real_cell_capacities N,...]
+                                      [--real_occupancies X,...] [--real_only REGEX]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -50,6 +51,9 @@ of its own (launch/local.sh --pin): a cell freed from rollout then adds compute.
 adds elastic counting each rollout cell as serving that many executions
 (`scheduler.cell_capacity`; the engines keep their slots): an agent waiting on a tool
 holds no slot, so elastic's waterlevel may free more cells (async's split does not use it).
+`--real_occupancies 0.5,1` adds elastic whose capacity follows the measured share of time
+its agents spend in model calls (`scheduler.slot_occupancy`). `--real_only REGEX` runs
+only the variants whose name matches (each policy's best, re-measured).
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -444,12 +448,14 @@ def real_variants(
     mus: tuple[int, ...] = (1, 2),
     lookaheads: bool = False,
     cell_capacities: tuple[int, ...] = (),
+    occupancies: tuple[float, ...] = (),
 ) -> list[tuple[str, list[str]]]:
     """Every policy at every publication cadence mu (and async at every split), all under
     tiny_cpu's gate S = 3: each policy's best is the fairly tuned one. `lookaheads`: also
     async and elastic at the dispatch depth that is not their default (async "gate",
     elastic "phi"), as the simulator's sweep has them. `cell_capacities`: also elastic
-    with each of these `scheduler.cell_capacity` values."""
+    with each of these `scheduler.cell_capacity` values; `occupancies`: with each of
+    these `scheduler.slot_occupancy` values (the capacity measured as it runs)."""
     variants = []
     for mu in mus:
         cadence = [f"--config.scheduler.mu={mu}"]
@@ -468,6 +474,9 @@ def real_variants(
         for n in cell_capacities:
             flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.cell_capacity={n}"]
             variants.append((f"elastic mu={mu} cap={n}", [*flags, *cadence]))
+        for x in occupancies:
+            flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.slot_occupancy={x}"]
+            variants.append((f"elastic mu={mu} occupancy={x}", [*flags, *cadence]))
     return variants
 
 
@@ -493,13 +502,19 @@ def real_runs(args) -> dict:
     prefix = ["bash", "launch/local.sh", str(processes), "--pin", "--"] if processes > 1 else []
     layout = [f"--config.cells.num_cpu_devices={8 // processes}"] if processes > 1 else []
     capacities = tuple(int(n) for n in args.real_cell_capacities.split(",") if n)
+    occupancies = tuple(float(x) for x in args.real_occupancies.split(",") if x)
+    variants = real_variants(
+        lookaheads=args.real_lookaheads, cell_capacities=capacities, occupancies=occupancies
+    )
+    if args.real_only:  # a subset, e.g. to re-measure the best of each policy
+        variants = [(name, flags) for name, flags in variants if re.search(args.real_only, name)]
+        if not variants:
+            raise SystemExit(f"--real_only={args.real_only!r}: matches no variant")
     results = {}
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
         results[key] = {}
-        for name, flags in real_variants(
-            lookaheads=args.real_lookaheads, cell_capacities=capacities
-        ):
+        for name, flags in variants:
             folder = regime if processes == 1 else f"{regime}_p{processes}"
             workdir = root / folder / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
             if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
@@ -669,6 +684,16 @@ def main() -> None:
         "--real_cell_capacities",
         default="",
         help="also elastic with each scheduler.cell_capacity, e.g. 32,64",
+    )
+    parser.add_argument(
+        "--real_occupancies",
+        default="",
+        help="also elastic with each scheduler.slot_occupancy, e.g. 0.5,1",
+    )
+    parser.add_argument(
+        "--real_only",
+        default="",
+        help="only the real variants whose name matches this regex, e.g. 'mu=1 (gate|cap)'",
     )
     parser.add_argument(
         "--real_processes",

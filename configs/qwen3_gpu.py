@@ -295,6 +295,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.scheduler.async_training_cells = 1
     c.scheduler.lookahead = "default"
     c.scheduler.cell_capacity = 0  # 0: rollout.max_slots
+    c.scheduler.slot_occupancy = 0.0  # > 0: the capacity follows the time agents generate
     c.scheduler.max_staleness = 3  # phi + mu
     c.scheduler.progress_every_s = 60.0
 

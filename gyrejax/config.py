@@ -496,6 +496,11 @@ class SchedulerConfig:
     # spend most of their time in tool calls, max_slots over the share of the time they
     # generate lets elastic's waterlevel free the cells whose engines would only idle.
     cell_capacity: int = 0
+    # > 0: the capacity follows the agents instead (cell_capacity must be 0): a rollout
+    # cell counts as serving max_slots * slot_occupancy / g executions (at least
+    # max_slots), g the share of an execution's wall time spent in model calls, measured
+    # over the last executions that finished (scheduler/driver.py, capacity_from_share).
+    slot_occupancy: float = 0.0
     # S: no group is trained more than S weight versions after the one it was sampled
     # with (None: groups train in finish order, bounded only by the dispatch depth).
     max_staleness: int | None = None
@@ -504,7 +509,13 @@ class SchedulerConfig:
     def __post_init__(self):
         _one_of("scheduler", self, "policy", POLICIES)
         _one_of("scheduler", self, "lookahead", ("default", "gate", "phi"))
-        _non_negative("scheduler", self, "phi", "cell_capacity")
+        _non_negative("scheduler", self, "phi", "cell_capacity", "slot_occupancy")
+        if self.slot_occupancy > 0 and self.cell_capacity > 0:
+            _fail(
+                "scheduler.slot_occupancy",
+                self.slot_occupancy,
+                f"set with scheduler.cell_capacity={self.cell_capacity}; set one of them",
+            )
         _positive("scheduler", self, "mu", "async_training_cells")
         if self.max_staleness is not None:
             _non_negative("scheduler", self, "max_staleness")

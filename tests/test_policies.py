@@ -276,3 +276,27 @@ def test_the_cell_capacity_the_policies_see():
         policy = elastic_after_boundary()
         decision = policy(view(capacity=capacity, executions_in_flight=50))
         assert decision.transitions == (((0, T),) if frees else ()), capacity
+
+
+def test_the_capacity_follows_the_time_agents_generate():
+    """`scheduler.slot_occupancy`: a rollout cell counts as serving enough executions to
+    keep its slots that busy, from the measured share of time in model calls; never
+    fewer than its slots. The driver's view carries the new capacity."""
+    from gyrejax.config import ConfigError, SchedulerConfig
+    from gyrejax.scheduler.driver import Driver, Schedule, capacity_from_share
+
+    assert capacity_from_share(16, 1.0, 0.2) == 80  # agents generate a fifth of the time
+    assert capacity_from_share(16, 0.5, 0.2) == 40
+    assert capacity_from_share(16, 1.0, 0.9) == 18  # generating most of the time: ~slots
+    assert capacity_from_share(16, 0.5, 0.9) == 16  # never fewer than the slots
+    assert capacity_from_share(16, 1.0, 1.5) == 16  # parallel sub-agents: still the slots
+    assert capacity_from_share(16, 1.0, 0.0) == 16
+    driver = Driver(Schedule(4, 16, 4, 4, 1, 1, 3, 48))
+    args = dict(groups_in_flight=0, groups_ready=0, groups_dispatched=0, step_running=False)
+    assert driver.view(0.0, (0, 0, 0), **args).rollout_capacity == 64
+    driver.set_capacity(40)
+    assert driver.view(0.0, (0, 0, 0), **args).rollout_capacity == 160
+    with pytest.raises(ConfigError, match=r"scheduler\.slot_occupancy=0\.5: set with"):
+        SchedulerConfig(slot_occupancy=0.5, cell_capacity=32)
+    with pytest.raises(ConfigError, match=r"scheduler\.slot_occupancy=-1"):
+        SchedulerConfig(slot_occupancy=-1.0)

@@ -487,9 +487,10 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     # optional dispatch depths and cell capacities add elastic (and async) rows only.
     names = [name for name, _ in bench.real_variants()]
     assert len(names) == 2 * 5 and "async(3) mu=2" in names and "elastic mu=1" in names
-    more = dict(bench.real_variants(lookaheads=True, cell_capacities=(48,)))
-    assert len(more) == 2 * 10
+    more = dict(bench.real_variants(lookaheads=True, cell_capacities=(48,), occupancies=(0.5,)))
+    assert len(more) == 2 * 11
     assert "--config.scheduler.cell_capacity=48" in more["elastic mu=2 cap=48"]
+    assert "--config.scheduler.slot_occupancy=0.5" in more["elastic mu=1 occupancy=0.5"]
     assert "--config.scheduler.lookahead=gate" in more["async(1) mu=1 gate"]
 
 

@@ -152,6 +152,8 @@ def step_record(
         "shapes": [[int(r), int(length)] for r, length in batch.shapes],
         "longest_call": longest_call,
         "roles": "".join(r.value[0].upper() for r in ctx.driver.roles),
+        # Executions a rollout cell counts as serving (moves with scheduler.slot_occupancy).
+        "capacity": ctx.driver.schedule.capacity,
         "utilisation": cell_time.recent_utilisation(),
         "joins": [dataclasses.asdict(j) for j in report.joins],
         "leaves": [dataclasses.asdict(r) for r in report.released],

@@ -45,7 +45,7 @@ from gyrejax.loop.steps import Steps
 from gyrejax.loop.transitions import Transitions
 from gyrejax.model.transformer import Transformer
 from gyrejax.rollout.engine import Engine
-from gyrejax.scheduler.driver import Driver
+from gyrejax.scheduler.driver import Driver, capacity_from_share
 from gyrejax.scheduler.policies import Role, policy_from_config
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.train.trainer import ElasticTrainer
@@ -119,8 +119,12 @@ class Runtime:
             ctx.spawn(self.transitions.worker())
             ctx.spawn(self.cell_time.monitor(proxy, self.groups))
             self.groups.resume(set(self.steps.trained_groups))
+            occupancy, slots = config.scheduler.slot_occupancy, config.rollout.max_slots
             while self.trainer.step < config.train.steps:
                 ctx.check()
+                share = self.groups.generation_share()
+                if occupancy > 0 and share is not None:
+                    ctx.driver.set_capacity(capacity_from_share(slots, occupancy, share))
                 c = proxy.counters()
                 view = ctx.driver.view(
                     ctx.now(),

@@ -55,6 +55,17 @@ class Schedule:
     groups_total: int
 
 
+def capacity_from_share(max_slots: int, occupancy: float, share: float) -> int:
+    """Executions a rollout cell counts as serving when they spend `share` of their wall
+    time in model calls: enough to keep its `max_slots` slots `occupancy` busy on
+    average (an agent waiting on a tool holds no slot), and never fewer than the slots.
+    Calls queue when slots are short, which raises the measured share: the capacity
+    then falls back, a feedback that settles."""
+    if share <= 0:
+        return max_slots
+    return max(max_slots, round(max_slots * occupancy / share))
+
+
 class Driver:
     """Roles, switches, bursts and the transition queue of one run (module docstring)."""
 
@@ -126,6 +137,13 @@ class Driver:
         of `view` went out (idle slots are then the gate's, not the policy's)."""
         gate = gate_allowance(view)
         self.gate_closed = gate is not None and gate <= dispatch
+
+    def set_capacity(self, capacity: int) -> None:
+        """Each rollout cell now counts as serving `capacity` executions (the runtime's
+        `scheduler.slot_occupancy`, from the measured share of time in model calls)."""
+        if capacity != self.schedule.capacity:
+            self.schedule = dataclasses.replace(self.schedule, capacity=capacity)
+            self._cell_views = None
 
     # --- transitions --------------------------------------------------------------------
 
