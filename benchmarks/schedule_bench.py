@@ -480,10 +480,11 @@ def real_variants(
     return variants
 
 
-def best_of(runs: dict, policy: str) -> tuple[str, dict]:
-    """The fastest run (name, run) of `policy` among the variants."""
+def best_of(runs: dict, policy: str) -> tuple[str, dict] | None:
+    """The fastest run (name, run) of `policy` among the variants (None: none ran, e.g.
+    under --real_only)."""
     named = [(n, r) for n, r in runs.items() if n.startswith(policy)]
-    return min(named, key=lambda x: x[1]["wall_s"])
+    return min(named, key=lambda x: x[1]["wall_s"]) if named else None
 
 
 def real_runs(args) -> dict:
@@ -559,7 +560,9 @@ def real_runs(args) -> dict:
 
 
 def _print_real(regime: str, runs: dict) -> None:
-    _, elastic = best_of(runs, "elastic")
+    best = {p: best_of(runs, p) for p in ("colocate", "async", "elastic")}
+    best = {p: b for p, b in best.items() if b is not None}
+    _, reference = best.get("elastic") or min(best.values(), key=lambda b: b[1]["wall_s"])
     print(f"\n### real tiny CPU runs, regime: {regime} (4 cells, equal work, S = 3)\n")
     print(
         "| variant | steps | RL wall s | / best elastic | / own bound | utilisation | idle "
@@ -570,17 +573,18 @@ def _print_real(regime: str, runs: dict) -> None:
         idle = ", ".join(f"{r['idle_share'].get(k, 0):.2f}" for k in IDLE_CAUSES)
         bound = r.get("outside_calls_bound_s")
         over = f"{r['wall_s'] / bound:.2f}" if bound else "-"
+        ratio = r["wall_s"] / reference["wall_s"]
         print(
-            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {r['wall_s'] / elastic['wall_s']:.2f}x "
+            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {ratio:.2f}x "
             f"| {over} | {r['utilisation']:.3f} | {idle} "
             f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['switches']} "
             f"| {r['staleness_max']:.0f} |"
         )
-    best = {p: best_of(runs, p) for p in ("colocate", "async", "elastic")}
     listed = ", ".join(f"{n} {r['wall_s']:.0f} s" for n, r in best.values())
     print(f"\nbest of each policy: {listed}")
-    baseline = min(best["colocate"][1]["wall_s"], best["async"][1]["wall_s"])
-    print(f"elastic vs the better baseline: {baseline / elastic['wall_s']:.2f}x")
+    baselines = [best[p][1]["wall_s"] for p in ("colocate", "async") if p in best]
+    if "elastic" in best and baselines:
+        print(f"elastic vs the better baseline: {min(baselines) / reference['wall_s']:.2f}x")
     print(
         "/ own bound: the wall over a lower bound from the run's own executions (their time "
         "outside model calls, the fastest step, the gate: calibrate.outside_calls_bound_s)"
@@ -599,7 +603,10 @@ def calibrate_and_predict(args, real: dict | None) -> dict:
     out = {"fits": {}, "predictions": {}}
     for regime, by_policy in runs.items() or [("", {})]:
         if args.calibrate == "elastic":
-            source = best_of(by_policy, "elastic")[1]["workdir"]
+            elastic = best_of(by_policy, "elastic")
+            if elastic is None:
+                raise SystemExit("--calibrate elastic: no elastic run among the real runs")
+            source = elastic[1]["workdir"]
         else:
             source = args.calibrate
         fit = calibrate.fit_run(Path(source), load=args.load_model)

@@ -492,6 +492,16 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     assert "--config.scheduler.cell_capacity=48" in more["elastic mu=2 cap=48"]
     assert "--config.scheduler.slot_occupancy=0.5" in more["elastic mu=1 occupancy=0.5"]
     assert "--config.scheduler.lookahead=gate" in more["async(1) mu=1 gate"]
+    # The real table of a subset (--real_only): no colocate run, still a comparison.
+    run = dict(steps=12, utilisation=0.3, idle_share={}, reward_first=0.2, reward_last=0.4)
+    run.update(switches=0, staleness_max=3, outside_calls_bound_s=20.0)
+    capsys.readouterr()
+    bench._print_real(
+        "latency",
+        {"async(1) mu=1": {**run, "wall_s": 30.0}, "elastic mu=1": {**run, "wall_s": 33.0}},
+    )
+    out = capsys.readouterr().out
+    assert "elastic vs the better baseline: 0.91x" in out and "colocate" not in out
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async", "elastic"])
