@@ -8,6 +8,7 @@ Usage:
                                       [--real_processes P] [--real_lookaheads]
                                       [--real_cell_capacities N,...]
                                       [--real_occupancies X,...] [--real_only REGEX]
+                                      [--real_flags "FLAGS"]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -53,7 +54,8 @@ adds elastic counting each rollout cell as serving that many executions
 holds no slot, so elastic's waterlevel may free more cells (async's split does not use it).
 `--real_occupancies 0.5,1` adds elastic whose capacity follows the measured share of time
 its agents spend in model calls (`scheduler.slot_occupancy`). `--real_only REGEX` runs
-only the variants whose name matches (each policy's best, re-measured).
+only the variants whose name matches (each policy's best, re-measured); `--real_flags`
+adds flags to every real run (e.g. a looser gate: `--config.scheduler.max_staleness=11`).
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -514,9 +516,12 @@ def real_runs(args) -> dict:
     results = {}
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
+        key += f", {args.real_flags}" if args.real_flags else ""
         results[key] = {}
         for name, flags in variants:
             folder = regime if processes == 1 else f"{regime}_p{processes}"
+            if args.real_flags:  # runs under other flags are other runs
+                folder += "_" + re.sub(r"[^a-z0-9]+", "_", args.real_flags.lower()).strip("_")
             workdir = root / folder / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
             if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
                 print(f"[real] {workdir}: done before, read back", flush=True)
@@ -539,6 +544,7 @@ def real_runs(args) -> dict:
                 *layout,
                 *flags,
                 *REGIMES[regime],
+                *args.real_flags.split(),
                 f"--config.train.steps={args.real_steps}",
                 *([] if args.real_warm else ["--config.warmup.steps=0"]),
             ]
@@ -563,7 +569,10 @@ def _print_real(regime: str, runs: dict) -> None:
     best = {p: best_of(runs, p) for p in ("colocate", "async", "elastic")}
     best = {p: b for p, b in best.items() if b is not None}
     _, reference = best.get("elastic") or min(best.values(), key=lambda b: b[1]["wall_s"])
-    print(f"\n### real tiny CPU runs, regime: {regime} (4 cells, equal work, S = 3)\n")
+    print(
+        f"\n### real tiny CPU runs, regime: {regime} (4 cells, equal work; S = 3 unless the "
+        "regime's flags set another)\n"
+    )
     print(
         "| variant | steps | RL wall s | / best elastic | / own bound | utilisation | idle "
         "share: " + ", ".join(IDLE_CAUSES) + " | reward first -> last | switches | max staleness |"
@@ -701,6 +710,11 @@ def main() -> None:
         "--real_only",
         default="",
         help="only the real variants whose name matches this regex, e.g. 'mu=1 (gate|cap)'",
+    )
+    parser.add_argument(
+        "--real_flags",
+        default="",
+        help="more flags for every real run, e.g. '--config.scheduler.max_staleness=11'",
     )
     parser.add_argument(
         "--real_processes",
