@@ -8,7 +8,7 @@ Usage:
                                       [--real_processes P] [--real_lookaheads]
                                       [--real_cell_capacities N,...]
                                       [--real_occupancies X,...] [--real_only REGEX]
-                                      [--real_flags "FLAGS"]
+                                      [--real_flags=FLAGS]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -55,7 +55,8 @@ holds no slot, so elastic's waterlevel may free more cells (async's split does n
 `--real_occupancies 0.5,1` adds elastic whose capacity follows the measured share of time
 its agents spend in model calls (`scheduler.slot_occupancy`). `--real_only REGEX` runs
 only the variants whose name matches (each policy's best, re-measured); `--real_flags`
-adds flags to every real run (e.g. a looser gate: `--config.scheduler.max_staleness=11`).
+adds flags to every real run, given with "=" (a value starting with "--"), e.g. a looser
+gate: `--real_flags=--config.scheduler.max_staleness=11`.
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -714,7 +715,7 @@ def main() -> None:
     parser.add_argument(
         "--real_flags",
         default="",
-        help="more flags for every real run, e.g. '--config.scheduler.max_staleness=11'",
+        help="more flags for every real run, e.g. --real_flags=--config.scheduler.max_staleness=11",
     )
     parser.add_argument(
         "--real_processes",
