@@ -514,16 +514,20 @@ def real_runs(args) -> dict:
         variants = [(name, flags) for name, flags in variants if re.search(args.real_only, name)]
         if not variants:
             raise SystemExit(f"--real_only={args.real_only!r}: matches no variant")
+
+    def slug(text: str) -> str:
+        return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
     results = {}
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
         key += f", {args.real_flags}" if args.real_flags else ""
         results[key] = {}
+        folder = regime if processes == 1 else f"{regime}_p{processes}"
+        if args.real_flags:  # runs under other flags are other runs
+            folder += "_" + slug(args.real_flags)
         for name, flags in variants:
-            folder = regime if processes == 1 else f"{regime}_p{processes}"
-            if args.real_flags:  # runs under other flags are other runs
-                folder += "_" + re.sub(r"[^a-z0-9]+", "_", args.real_flags.lower()).strip("_")
-            workdir = root / folder / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+            workdir = root / folder / slug(name)
             if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
                 print(f"[real] {workdir}: done before, read back", flush=True)
                 results[key][name] = calibrate.read_run(workdir)

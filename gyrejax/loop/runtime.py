@@ -122,8 +122,8 @@ class Runtime:
             occupancy, slots = config.scheduler.slot_occupancy, config.rollout.max_slots
             while self.trainer.step < config.train.steps:
                 ctx.check()
-                share = self.groups.generation_share()
-                if occupancy > 0 and share is not None:
+                share = self.groups.generation_share() if occupancy > 0 else None
+                if share is not None:
                     ctx.driver.set_capacity(capacity_from_share(slots, occupancy, share))
                 c = proxy.counters()
                 view = ctx.driver.view(

@@ -416,6 +416,13 @@ def lower_bound_s(config: SimConfig, trace: Trace) -> float:
     return float(work / config.cells)
 
 
+def _cheapest_step_s(config: SimConfig, trace: Trace) -> float:
+    """The shortest a step can be: the B groups with the fewest tokens, trained on all
+    cells (every bound below uses it)."""
+    tokens = np.sort(trace.tokens.sum(axis=1))[: config.groups_per_step]
+    return float(tokens.sum()) * config.train_s_per_token / config.cells
+
+
 def _chain(config: SimConfig, trace: Trace, mu: int) -> list[float]:
     """Lower bounds on when each step can start under the gate, at publication cadence mu.
 
@@ -439,8 +446,7 @@ def _chain(config: SimConfig, trace: Trace, mu: int) -> list[float]:
     s_max, b_groups = config.max_staleness, config.groups_per_step
     longest = trace.duration_s.max(axis=1)
     groups = len(longest)
-    tokens = np.sort(trace.tokens.sum(axis=1))
-    step_min = float(tokens[:b_groups].sum()) * config.train_s_per_token / config.cells
+    step_min = _cheapest_step_s(config, trace)
     if s_max is None:  # any B groups can be the first trained
         first = float(np.sort(longest)[b_groups - 1])
         return [first + k * step_min for k in range(config.steps + 1)]
@@ -559,10 +565,9 @@ def gate_windows_bound_s(config: SimConfig, trace: Trace) -> float:
         return 0.0
     b_groups, chains = c.groups_per_step, min(c.max_staleness + 1, c.steps)
     longest = np.sort(trace.duration_s.max(axis=1))[::-1]
-    train = trace.tokens.sum(axis=1) * c.train_s_per_token / c.cells
-    step_min = float(np.sort(train)[:b_groups].sum())
-    total = float(longest[::b_groups].sum()) + float(train.sum())
-    return total / chains + (chains - 1) * step_min / 2
+    train = float(trace.tokens.sum()) * c.train_s_per_token / c.cells
+    total = float(longest[::b_groups].sum()) + train
+    return total / chains + (chains - 1) * _cheapest_step_s(c, trace) / 2
 
 
 def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
@@ -586,7 +591,7 @@ def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
     block_longest = trace.duration_s.max(axis=1).reshape(steps, b_groups).max(axis=1)
     rollout = trace.duration_s.sum(axis=1) / c.capacity  # cell-seconds per group
     train = trace.tokens.sum(axis=1) * c.train_s_per_token
-    step_min = float(np.sort(train)[:b_groups].sum()) / c.cells
+    step_min = _cheapest_step_s(c, trace)
     starts: list[float] = []
 
     def published(b: int) -> float:  # P_b
