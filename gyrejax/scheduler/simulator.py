@@ -511,8 +511,9 @@ def makespan_bound_s(config: SimConfig, trace: Trace) -> float:
         t1 only groups of version 0, at most (S + 1) B of them (all of them without a
         gate), can roll out, each for at most t1 seconds; every other cell-second of work
         comes after t1;
-      * the deadline chain (`_deadline_chain`): every group must be trained within S
-        steps of the step whose end let it be dispatched;
+      * the deadline chain (`_deadline_chain`): a group is dispatched no sooner than the
+        gate lets its place in the order go out, each block of B groups is trained within
+        S steps of the block's index, and steps 0..k need (k + 1) B finished groups;
       * the gate's windows (`gate_windows_bound_s`): a group trained by step k ran between the
         end of step k - S - 1 and the start of step k, for any cadence and order.
     """
@@ -571,24 +572,31 @@ def gate_windows_bound_s(config: SimConfig, trace: Trace) -> float:
 
 
 def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
-    """The deadline chain at mu = 1 (a lower bound on the makespan; 0 without a gate).
+    """The deadline chain (a lower bound on the makespan at any cadence; 0 without a gate).
 
     When b steps are done (P_b, the end of step b - 1), b B groups are trained and the
-    untrained groups dispatched so far carry versions <= b - 1, so they must be trained
-    by step b - 1 + S: at most S B of them. So group g, in block j = g // B, is
-    dispatched no sooner than P_{j - S}. At P_{j + 1} at least (j + 1) B groups were
-    dispatched, in order, so block j carries a version <= j and must be trained by step
-    j + S: step k >= j + S starts no sooner than P_{j - S} + the block's longest
-    duration, and the last step waits for every block. Steps follow each other and take
-    at least the training of the B groups with the fewest tokens on all cells; P_b is also
-    no sooner than (the idle forced before the first step + the rollout and training of
-    the b B cheapest groups among the first (b + S) B) / cells.
+    untrained groups dispatched so far carry versions <= b (no newer one exists), so they
+    must be trained by step b + S: at most (S + 1) B of them. So group g, in block
+    j = g // B, is dispatched no sooner than P_{j - S}, and finishes no sooner than
+    f_g = P_{j - S} + its longest execution. Two things then hold for each step k:
+      * at P_{j + 1} at least (j + 1) B groups were dispatched, in order, so block j
+        carries a version <= j and must be trained by step j + S: step k >= j + S
+        starts no sooner than the block's latest f_g, and the last step waits for every
+        block;
+      * steps 0..k train (k + 1) B groups, each finished before its step starts: step k
+        starts no sooner than the (k + 1) B-th smallest f_g (among the groups that can be
+        dispatched before it starts, g < (k + S + 1) B).
+    Steps follow each other and take at least the training of the B groups with the
+    fewest tokens on all cells; P_b is also no sooner than (the idle forced before the
+    first step + the rollout and training of the b B cheapest groups among the first
+    (b + S) B) / cells.
     """
     c = config
     s_max, b_groups, steps = c.max_staleness, c.groups_per_step, c.steps
     if s_max is None:
         return 0.0
-    block_longest = trace.duration_s.max(axis=1).reshape(steps, b_groups).max(axis=1)
+    longest = trace.duration_s.max(axis=1)
+    block_longest = longest.reshape(steps, b_groups).max(axis=1)
     rollout = trace.duration_s.sum(axis=1) / c.capacity  # cell-seconds per group
     train = trace.tokens.sum(axis=1) * c.train_s_per_token
     step_min = _cheapest_step_s(c, trace)
@@ -602,8 +610,13 @@ def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
         cheapest += np.partition(train[:known], done - 1)[:done].sum()
         return max(starts[b - 1] + step_min, (idle_fill + cheapest) / c.cells)
 
+    finish: list[float] = []  # f_g, for the groups that can be dispatched so far
     for k in range(steps):
         start = starts[-1] + step_min if starts else 0.0
+        for g in range(len(finish), min(len(longest), (k + s_max + 1) * b_groups)):
+            finish.append(published(g // b_groups - s_max) + float(longest[g]))
+        trained = (k + 1) * b_groups  # by steps 0..k
+        start = max(start, float(np.partition(finish, trained - 1)[trained - 1]))
         due = range(k - s_max, k - s_max + 1) if k < steps - 1 else range(k - s_max, steps)
         for j in due:
             if j >= 0:
