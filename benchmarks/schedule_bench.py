@@ -25,9 +25,10 @@ policy:
       bound valid for any cadence (`makespan_bound_s`), makespan / bound, measured
       staleness (max, mean; a group's staleness is the trainer's version when it is
       trained minus the version it was dispatched with, i.e. its oldest tokens'), idle
-      cell-hours by cause, and each policy over elastic; then
-      the gate's limit (an ESTIMATE, not a bound: the same gate with unlimited cells and
-      free training) and the issue-14 goals, met or not;
+      cell-hours by cause, and each policy over elastic; then the term of the bound that
+      set it on each seed (`makespan_bound_terms_s`: work, gate_chain, pipeline_fill,
+      deadline_chain, gate_windows), the gate's limit (an ESTIMATE, not a bound: the same
+      gate with unlimited cells and free training) and the issue-14 goals, met or not;
   a Pareto plot (`--plot`, default schedule_pareto.png): makespan against mean staleness,
   per policy the front of every setting swept at every S, and its best setting per S;
   `--sensitivity`: drift and mixed at S = 8 with token_exponent 0, 0.5 and 1 (whether the
@@ -83,6 +84,7 @@ from gyrejax.scheduler.simulator import (
     HOUR,
     SimConfig,
     make_trace,
+    makespan_bound_terms_s,
     simulate,
 )
 
@@ -238,6 +240,18 @@ def setting_label(policy: str, setting: dict) -> str:
 # --- (b) fair tables and goals ----------------------------------------------------------------
 
 
+def binding_terms(sim: SimConfig, seeds) -> dict[str, int]:
+    """How many seeds' bounds each term of `makespan_bound_s` sets (the largest term:
+    what limits every policy there)."""
+    counts: dict[str, int] = {}
+    for seed in seeds:
+        seeded = sim.replace(seed=seed)
+        terms = makespan_bound_terms_s(seeded, _trace(seeded))
+        name = max(terms, key=terms.get)
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def goals(workload: str, gate: int, rows: dict) -> dict:
     """Issue 14's goals for one (workload, S): None where none is set. `lead_ceiling`:
     the best async over the bound, the most any policy could lead it (per seed; mean)."""
@@ -287,6 +301,7 @@ def fair(pool, cfg, report: dict) -> None:
                 entry = {
                     "policies": rows,
                     "gate_limit_estimate_h": float(np.mean(limits)),
+                    "bound_set_by": binding_terms(sim, cfg.fair.seeds),
                     "goals": goals(workload, gate, rows),
                     "sim_s": time.perf_counter() - start,
                 }
@@ -310,11 +325,13 @@ def fair(pool, cfg, report: dict) -> None:
                 g, limit = entry["goals"], entry["gate_limit_estimate_h"]
                 met = {None: "no goal", True: "met", False: "NOT met"}[g["met"]]
                 elastic = entry["policies"]["elastic"]["makespan_h"]
+                seeds = len(cfg.fair.seeds)
+                set_by = ", ".join(f"{k} {n}/{seeds}" for k, n in entry["bound_set_by"].items())
                 print(
                     f"  S={gate}: {g['vs_async']:.3f}x async, {g['vs_colocate']:.2f}x colocate, "
                     f"{g['vs_bound']:.3f} of bound (async {g['lead_ceiling']:.3f} of it: the "
-                    f"most any policy could lead async); gate limit {limit:.1f} h (elastic "
-                    f"{elastic / limit:.2f}x it): {met}"
+                    f"most any policy could lead async; set by {set_by}); gate limit "
+                    f"{limit:.1f} h (elastic {elastic / limit:.2f}x it): {met}"
                 )
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gyrejax.scheduler.policies import make_policy
 from gyrejax.scheduler.simulator import (
+    BOUND_TERMS,
     HOUR,
     IDLE_CAUSES,
     WORKLOADS,
@@ -24,6 +25,7 @@ from gyrejax.scheduler.simulator import (
     lower_bound_s,
     make_trace,
     makespan_bound_s,
+    makespan_bound_terms_s,
     simulate,
     staleness_bound_s,
 )
@@ -362,7 +364,9 @@ def test_steps_wait_for_data_dispatched_in_order_by_hand():
     bound = makespan_bound_s(config, trace)
     assert bound == pytest.approx(12.2 * HOUR)
     # The other terms do not see it: it is the steps' need for data.
-    assert gate_windows_bound_s(config, trace) < bound and lower_bound_s(config, trace) < bound
+    terms = makespan_bound_terms_s(config, trace)
+    assert set(terms) == set(BOUND_TERMS) and max(terms.values()) == bound
+    assert [name for name, term in terms.items() if term >= bound] == ["deadline_chain"]
     assert simulate(config, "elastic", trace).makespan_s == pytest.approx(bound)
     for policy in ("async", "colocate"):
         assert simulate(config, policy, trace).makespan_s >= bound * (1 - 1e-9)
@@ -541,6 +545,12 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         assert r["per_seed_h"][0] in sorted(first)[: bench.TOP]
         assert r["over_bound"] >= 1 - 1e-9 and r["staleness_max"] <= 2 and r["over_stale"] == 0
     assert set(entry["goals"]) == {"vs_async", "vs_colocate", "vs_bound", "lead_ceiling", "met"}
+    # Which term set each seed's bound: the largest, on that seed's trace.
+    assert sum(entry["bound_set_by"].values()) == 2
+    for seed in (0, 1):
+        seeded = sim.replace(seed=seed)
+        terms = makespan_bound_terms_s(seeded, make_trace(seeded))
+        assert max(terms, key=terms.get) in entry["bound_set_by"]
     assert bench.pareto_front([(1, 5), (2, 3), (3, 4), (0.5, 9)]) == [(0.5, 9), (1, 5), (2, 3)]
     assert len(rows["async"]["sweep"]) == len(swept)
     bench.pareto_plot(report, tmp_path / "pareto.png")

@@ -355,7 +355,7 @@ class Trace:
     tool_s: np.ndarray | None = None
     context_factor: np.ndarray | None = None
     calls: np.ndarray | None = None
-    # makespan_bound_s per schedule, so that a sweep over policies computes it once.
+    # makespan_bound_terms_s per schedule, so that a sweep over policies computes them once.
     bounds: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -517,14 +517,24 @@ def makespan_bound_s(config: SimConfig, trace: Trace) -> float:
       * the gate's windows (`gate_windows_bound_s`): a group trained by step k ran between the
         end of step k - S - 1 and the start of step k, for any cadence and order.
     """
+    return max(makespan_bound_terms_s(config, trace).values())
+
+
+def makespan_bound_terms_s(config: SimConfig, trace: Trace) -> dict[str, float]:
+    """Each term of `makespan_bound_s` by name (`BOUND_TERMS`; the bound is the largest):
+    the one that binds names what limits every policy on this trace."""
     c = config
     key = (c.cells, c.capacity, c.groups_per_step, c.steps, c.max_staleness, c.train_s_per_token)
     if key not in trace.bounds:
-        trace.bounds[key] = _makespan_bound(c, trace)
-    return trace.bounds[key]
+        trace.bounds[key] = _makespan_bound_terms(c, trace)
+    return dict(trace.bounds[key])
 
 
-def _makespan_bound(config: SimConfig, trace: Trace) -> float:
+# The terms of `makespan_bound_s`, in its docstring's order.
+BOUND_TERMS = ("work", "gate_chain", "pipeline_fill", "deadline_chain", "gate_windows")
+
+
+def _makespan_bound_terms(config: SimConfig, trace: Trace) -> dict[str, float]:
     c = config
     chain = _chain(c, trace, 1)
     t1 = chain[0]
@@ -537,8 +547,14 @@ def _makespan_bound(config: SimConfig, trace: Trace) -> float:
     work = lower_bound_s(c, trace) * c.cells
     fill = t1 + (work - rollout_before) / c.cells
     idle_fill = c.cells * t1 - rollout_before
-    deadlines = _deadline_chain(c, trace, idle_fill)
-    return max(work / c.cells, chain[-1], fill, deadlines, gate_windows_bound_s(c, trace))
+    terms = (
+        work / c.cells,
+        chain[-1],
+        fill,
+        _deadline_chain(c, trace, idle_fill),
+        gate_windows_bound_s(c, trace),
+    )
+    return dict(zip(BOUND_TERMS, terms, strict=True))
 
 
 def gate_windows_bound_s(config: SimConfig, trace: Trace) -> float:
