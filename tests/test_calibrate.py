@@ -81,6 +81,28 @@ def test_predict_replays_the_calibration_run(tmp_path):
     assert calibrate.predict(fit, colocate) > calibrate.predict(fit, run)
 
 
+def test_predict_uses_the_split_and_dispatch_depth_the_run_recorded(tmp_path):
+    # An async run dispatching as deep as the gate allows, on two training cells: the
+    # prediction simulates that policy, not the defaults (one cell, the phi depth).
+    truth = TRUTH.replace(max_staleness=3, mu=1)
+    options = {"training_cells": 2, "lookahead": "gate"}
+    calibrate.write_run_logs(
+        truth, simulate(truth, "async", **options), "async", tmp_path, 0.0, options
+    )
+    run = calibrate.read_run(tmp_path)
+    assert calibrate.schedule_options(run["schedule"]) == options
+    fit = calibrate.fit_run(tmp_path)
+    walls = calibrate.predicted_walls(fit, run, seeds=(0, 1))
+    sim = fit.sim.replace(max_staleness=3, mu=1)
+    expected = [simulate(sim.replace(seed=s), "async", **options).makespan_s for s in (0, 1)]
+    assert walls == pytest.approx(fit.startup_s + np.array(expected) + fit.shutdown_s)
+    default = {**run, "schedule": {**run["schedule"], "lookahead": "default"}}
+    assert calibrate.predict(fit, default) != pytest.approx(calibrate.predict(fit, run))
+    # Runs logged before the depth was recorded: the policy's own.
+    old = {**run, "schedule": {k: v for k, v in run["schedule"].items() if k != "lookahead"}}
+    assert calibrate.predict(fit, old) == calibrate.predict(fit, default)
+
+
 def test_the_predicted_band_holds_most_runs_of_the_same_configuration(tmp_path):
     """One run is one draw: fitted on a seed-0 run, the 10-90% band of the prediction
     holds most other seeds' runs of the same configuration, and `predict` is its median."""

@@ -74,6 +74,8 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert idle == pytest.approx(1 - written["utilisation"], abs=0.01)
     assert sum(sum(s["cell_s"].values()) for s in steps) <= sum(cell_s.values()) + 1e-6
     assert written["schedule"]["policy"] == policy and written["over_stale"] == 0
+    # What calibrate needs to predict a run like it: the split and the dispatch depth too.
+    assert written["schedule"]["lookahead"] == config.scheduler.lookahead
     if policy == "async":
         # The training cell waits for the first groups: before the last dispatch that is
         # train_wait, after it (all groups of this tiny run go out at once) the tail.

@@ -226,5 +226,6 @@ def schedule_fields(config: Config, cells: int) -> dict:
         "phi": sched.phi,
         "max_staleness": sched.max_staleness,
         "async_training_cells": sched.async_training_cells,
+        "lookahead": sched.lookahead,
         "timeout_s": config.harness.timeout_s,
     }

@@ -756,14 +756,22 @@ def _schedule_config(schedule: dict) -> SimConfig:
 PREDICT_SEEDS = tuple(range(9))
 
 
+def schedule_options(schedule: dict) -> dict:
+    """The policy options a run's schedule sets (`simulate` keeps those its policy
+    takes): the async split and the dispatch depth (`scheduler.lookahead`; "default",
+    or absent in runs logged before it was recorded: the policy's own)."""
+    options = {"training_cells": schedule["async_training_cells"]}
+    if schedule.get("lookahead", "default") != "default":
+        options["lookahead"] = schedule["lookahead"]
+    return options
+
+
 def predicted_walls(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> np.ndarray:
     """`run`'s wall time (s; a `read_run` result: its policy and schedule) under the
     fitted model, one per seed: startup + the simulated makespan + shutdown."""
     schedule = run["schedule"]
     sim = fit.sim.replace(**{k: schedule[k] for k in SCHEDULE_FIELDS})
-    options = {}
-    if schedule["policy"] == "async":
-        options["training_cells"] = schedule["async_training_cells"]
+    options = schedule_options(schedule)
     makespans = [
         simulate(sim.replace(seed=s), schedule["policy"], **options).makespan_s for s in seeds
     ]
@@ -788,11 +796,18 @@ def predicted_band(
 
 
 def write_run_logs(
-    sim: SimConfig, result: SimResult, policy: str, workdir: Path, startup_s: float = 0.0
+    sim: SimConfig,
+    result: SimResult,
+    policy: str,
+    workdir: Path,
+    startup_s: float = 0.0,
+    options: dict | None = None,
 ) -> None:
     """Writes a simulated run's logs in the runtime's format (`fit_run` reads them).
 
-    Times are shifted by `startup_s` (the simulated engines start that late). A run of
+    Times are shifted by `startup_s` (the simulated engines start that late); `options`:
+    the policy options the run was simulated with (its schedule records the async split
+    and the dispatch depth, as the runtime's does). A run of
     the load model also gets its decode phases as model calls in `executions/*.gxr`:
     headers only (what `read_calls` reads), `TOKENS_PER_WORK_S` output tokens per
     second of decode work."""
@@ -855,7 +870,8 @@ def write_run_logs(
         "mu": sim.mu,
         "phi": sim.phi,
         "max_staleness": sim.max_staleness,
-        "async_training_cells": 1,
+        "async_training_cells": (options or {}).get("training_cells", 1),
+        "lookahead": (options or {}).get("lookahead", "default"),
         "timeout_s": sim.timeout_s,
     }
     summary = {
