@@ -10,12 +10,13 @@ Reads the real tiny CPU runs that `benchmarks/schedule_bench.py --real` left in
 `--real_workdir` (DIR/<regime>/<run>; it runs nothing), fits the load model
 (`calibrate.fit_run(..., load=True)`) to each source run of each regime, predicts every
 run of that regime (`calibrate.predict`) and prints predicted / measured wall time per
-run, with the largest and mean |ratio - 1| over the runs out of sample (the source and
-the `--exclude`d runs left out; by default the latency regime's mu = 2 async and elastic
-runs, which ran under heavy external load). The prediction is the median over seeds;
-each run is also checked against the 10-90% band of its predicted wall times
-(`calibrate.predicted_band`): one run is one draw, and where tool calls make the tail
-set the makespan, that band is wider than +-10%. About 25 s per fit on one core.
+run (the ten standard variants and any other run there, e.g. those of
+`--real_lookaheads`), with the largest and mean |ratio - 1| over the runs out of sample
+(the source and the `--exclude`d runs left out; by default the latency regime's mu = 2
+async and elastic runs, which ran under heavy external load). The prediction is the
+median over seeds; each run is also checked against the 10-90% band of its predicted wall
+times (`calibrate.predicted_band`): one run is one draw, and where tool calls make the
+tail set the makespan, that band is wider than +-10%. About 25 s per fit on one core.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ RUNS = (
 LOADED = "latency/async_1_mu_2,latency/async_2_mu_2,latency/async_3_mu_2,latency/elastic_mu_2"
 
 
+def run_names(regime_dir: Path) -> list[str]:
+    """The finished runs of a regime: the standard ten first (each must be there), then
+    any other variant schedule_bench left (e.g. --real_lookaheads' "_gate" runs)."""
+    finished = {p.parent.name for p in regime_dir.glob("*/run_summary.json")}
+    missing = [name for name in RUNS if name not in finished]
+    if missing:
+        raise SystemExit(f"{regime_dir}: no finished run {', '.join(missing)}")
+    return [*RUNS, *sorted(finished - set(RUNS))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--real_workdir", required=True, help="schedule_bench --real's")
@@ -54,7 +65,8 @@ def main() -> None:
     root, excluded = Path(args.real_workdir), set(args.exclude.split(","))
     report = {}
     for regime in args.regimes.split(","):
-        runs = {name: calibrate.read_run(root / regime / name) for name in RUNS}
+        names = run_names(root / regime)
+        runs = {name: calibrate.read_run(root / regime / name) for name in names}
         for source in args.sources.split(","):
             fit = calibrate.fit_run(root / regime / source, load=True)
             bands = {name: calibrate.predicted_band(fit, run) for name, run in runs.items()}
@@ -63,7 +75,7 @@ def main() -> None:
                 name: bands[name][0] <= run["wall_s"] <= bands[name][2]
                 for name, run in runs.items()
             }
-            scored = [n for n in RUNS if n != source and f"{regime}/{n}" not in excluded]
+            scored = [n for n in names if n != source and f"{regime}/{n}" not in excluded]
             errors = [abs(ratios[n] - 1) for n in scored]
             report[f"{regime}/{source}"] = {
                 "ratios": ratios,
@@ -76,9 +88,12 @@ def main() -> None:
             }
     print("| run | " + " | ".join(f"{k} fit" for k in report) + " |")
     print("|---|" + "---|" * len(report))
-    for name in RUNS:
+    for name in dict.fromkeys(n for r in report.values() for n in r["ratios"]):
         cells = []
         for key, r in report.items():
+            if name not in r["ratios"]:
+                cells.append("-")
+                continue
             regime, source = key.split("/")
             mark = (
                 " (fitted)"
