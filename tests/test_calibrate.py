@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gyrejax.scheduler import calibrate
+from gyrejax.scheduler.driver import capacity_from_share
 from gyrejax.scheduler.policies import make_policy
 from gyrejax.scheduler.simulator import HOUR, SimConfig, Simulator, make_trace, simulate
 
@@ -255,6 +256,35 @@ def test_load_fit_recovers_fewer_calls_for_long_executions(tmp_path):
     assert fit.call_work_s == pytest.approx(0.3, rel=0.05)
     calls = make_trace(truth).calls
     assert calls.max() < make_trace(truth.replace(call_work_exponent=1.0)).calls.max()
+
+
+def test_the_simulator_sizes_cells_from_the_share_in_calls_like_the_runtime(tmp_path):
+    # Long tool calls: agents spend a small share of their wall time decoding, so with
+    # slot_occupancy the capacity the policies see rises above the slots, to what
+    # capacity_from_share gives for the last 64 finished executions (recomputed here from
+    # the logged calls). A run logged with it is predicted with it (load model only).
+    truth = LOAD_TRUTH.replace(tool_median_s=20.0, timeout_s=1e4, slot_occupancy=1.0)
+    sim = Simulator(truth, make_policy("elastic"))
+    result = sim.run()
+    n = truth.group_size
+    in_calls: dict[int, float] = {}
+    for e, start, end, *_ in result.log["calls"]:
+        in_calls[e] = in_calls.get(e, 0.0) + end - start
+    finished = np.asarray(result.log["finished"])
+    last = np.argsort(finished, kind="stable")[-64:]
+    wall = sum(finished[e] - result.log["dispatched"][e // n] for e in last)
+    share = sum(in_calls.get(int(e), 0.0) for e in last) / wall
+    assert share < 0.5 and sim.driver.schedule.capacity == capacity_from_share(16, 1.0, share)
+    assert sim.driver.schedule.capacity > truth.capacity
+    with pytest.raises(ValueError, match=r"slot_occupancy=1\.0 needs the load model"):
+        TRUTH.replace(slot_occupancy=1.0)
+    calibrate.write_run_logs(truth, result, "elastic", tmp_path, 3.0)
+    run = calibrate.read_run(tmp_path)
+    fit = calibrate.fit_run(tmp_path, load=True)
+    walls = calibrate.predicted_walls(fit, run, seeds=(0,))
+    fitted = fit.sim.replace(slot_occupancy=1.0, seed=0)
+    expected = fit.startup_s + simulate(fitted, "elastic").makespan_s + fit.shutdown_s
+    assert walls[0] == pytest.approx(expected)
 
 
 def test_contention_fit_tells_concurrent_compiles_from_slow_ones():

@@ -38,6 +38,8 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     c.scheduler.policy = policy
     c.scheduler.async_training_cells = 1
     c.train.steps = 2
+    if policy == "async":  # the capacity follows the agents' share of time in model calls
+        c.scheduler.slot_occupancy = 1.0
     if policy == "colocate":  # row buckets (issue 18): contexts longer than row_length
         c.train.row_length = 128  # a call is ~100 or ~250 tokens, max_seq_len 640
         c.train.row_lengths = (640,)
@@ -76,6 +78,8 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert written["schedule"]["policy"] == policy and written["over_stale"] == 0
     # What calibrate needs to predict a run like it: the split and the dispatch depth too.
     assert written["schedule"]["lookahead"] == config.scheduler.lookahead
+    assert written["schedule"]["slot_occupancy"] == config.scheduler.slot_occupancy
+    assert all(s["capacity"] >= config.rollout.max_slots for s in steps)
     if policy == "async":
         # The training cell waits for the first groups: before the last dispatch that is
         # train_wait, after it (all groups of this tiny run go out at once) the tail.

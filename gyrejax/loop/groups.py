@@ -21,6 +21,7 @@ from gyrejax.harness.agent import Harness
 from gyrejax.harness.tasks import FileTask, draw_file_task, draw_tasks
 from gyrejax.logs import append_jsonl, prepare_for_append
 from gyrejax.loop.context import RunContext
+from gyrejax.scheduler.driver import GenerationShare
 from gyrejax.trajectory import Execution, ExecutionStore
 
 
@@ -61,8 +62,8 @@ class Groups:
         self.ready: collections.deque[str] = collections.deque()
         self.next_seq = 0
         self.bad_records = 0  # stored records skipped since the last metrics row
-        # (seconds in model calls, wall seconds) of the last executions that finished.
-        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
+        # The last finished executions' share of wall time in model calls.
+        self.generation = GenerationShare()
 
     def attach(self, harness) -> None:
         self.harness = harness
@@ -70,12 +71,6 @@ class Groups:
     def in_flight(self) -> list[Group]:
         """Dispatched groups with unfinished executions."""
         return [g for g in self.groups.values() if not g.done]
-
-    def generation_share(self) -> float | None:
-        """The share of the recent executions' wall time spent in model calls (None:
-        none finished yet)."""
-        wall = sum(w for _, w in self.recent)
-        return sum(c for c, _ in self.recent) / wall if wall > 0 else None
 
     def dispatch(self) -> None:
         """Dispatches the next group with the current rollout version."""
@@ -125,7 +120,7 @@ class Groups:
             record.update(finished_s=self.ctx.now(), status=execution.status)
             append_jsonl(self.ctx.workdir / "executions.jsonl", record)  # for calibration
             calls_s = sum(c.finished_at - c.started_at for c in execution.calls)
-            self.recent.append((calls_s, record["finished_s"] - started))
+            self.generation.add(calls_s, record["finished_s"] - started)
             self.ctx.notify()
 
         await asyncio.gather(*(one(i) for i in members))

@@ -227,5 +227,6 @@ def schedule_fields(config: Config, cells: int) -> dict:
         "max_staleness": sched.max_staleness,
         "async_training_cells": sched.async_training_cells,
         "lookahead": sched.lookahead,
+        "slot_occupancy": sched.slot_occupancy,
         "timeout_s": config.harness.timeout_s,
     }

@@ -122,7 +122,7 @@ class Runtime:
             occupancy, slots = config.scheduler.slot_occupancy, config.rollout.max_slots
             while self.trainer.step < config.train.steps:
                 ctx.check()
-                share = self.groups.generation_share() if occupancy > 0 else None
+                share = self.groups.generation.share() if occupancy > 0 else None
                 if share is not None:
                     ctx.driver.set_capacity(capacity_from_share(slots, occupancy, share))
                 c = proxy.counters()

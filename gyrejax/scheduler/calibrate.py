@@ -768,9 +768,13 @@ def schedule_options(schedule: dict) -> dict:
 
 def predicted_walls(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> np.ndarray:
     """`run`'s wall time (s; a `read_run` result: its policy and schedule) under the
-    fitted model, one per seed: startup + the simulated makespan + shutdown."""
+    fitted model, one per seed: startup + the simulated makespan + shutdown. Its split,
+    dispatch depth and (load model only: the plain one has no calls to measure it)
+    `slot_occupancy` are simulated as the run set them."""
     schedule = run["schedule"]
     sim = fit.sim.replace(**{k: schedule[k] for k in SCHEDULE_FIELDS})
+    if sim.load_model:  # only its decode phases give a share of time in model calls
+        sim = sim.replace(slot_occupancy=schedule.get("slot_occupancy", 0.0))
     options = schedule_options(schedule)
     makespans = [
         simulate(sim.replace(seed=s), schedule["policy"], **options).makespan_s for s in seeds
@@ -872,6 +876,7 @@ def write_run_logs(
         "max_staleness": sim.max_staleness,
         "async_training_cells": (options or {}).get("training_cells", 1),
         "lookahead": (options or {}).get("lookahead", "default"),
+        "slot_occupancy": sim.slot_occupancy,
         "timeout_s": sim.timeout_s,
     }
     summary = {

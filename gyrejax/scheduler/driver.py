@@ -66,6 +66,24 @@ def capacity_from_share(max_slots: int, occupancy: float, share: float) -> int:
     return max(max_slots, round(max_slots * occupancy / share))
 
 
+class GenerationShare:
+    """The share of the last `window` finished executions' wall time spent in model calls
+    (what `capacity_from_share` sizes a rollout cell from; the runtime and the simulator
+    both keep one)."""
+
+    def __init__(self, window: int = 64):
+        self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+
+    def add(self, calls_s: float, wall_s: float) -> None:
+        """An execution finished: `calls_s` of its `wall_s` were in model calls."""
+        self._recent.append((calls_s, wall_s))
+
+    def share(self) -> float | None:
+        """None until an execution finished."""
+        wall = sum(w for _, w in self._recent)
+        return sum(c for c, _ in self._recent) / wall if wall > 0 else None
+
+
 class Driver:
     """Roles, switches, bursts and the transition queue of one run (module docstring)."""
 

@@ -114,7 +114,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from gyrejax.scheduler.driver import Driver, Schedule
+from gyrejax.scheduler.driver import Driver, GenerationShare, Schedule, capacity_from_share
 from gyrejax.scheduler.policies import (
     IDLE_CAUSES,
     Policy,
@@ -209,6 +209,10 @@ class SimConfig:
         none.
       compile_contention: load model: kappa; m engines compiling at once each compile
         at 1 / (1 + kappa * (m - 1)) of their speed alone.
+      slot_occupancy: load model with executions_hold_slots False: > 0: the capacity the
+        policies see per rollout cell follows the agents, as the runtime's
+        `scheduler.slot_occupancy`: `driver.capacity_from_share(capacity, this, g)`, g the
+        share of the last finished executions' wall time in decode phases.
       train_compile_s: load model: seconds of work added to the first step at each new
         trainer width after the first step (a new sharding compiles).
       join_compile_s: load model: seconds of work added to a running step when a cell
@@ -257,6 +261,7 @@ class SimConfig:
     call_work_exponent: float = 1.0
     bucket_compile_s: tuple[float, ...] = ()
     compile_contention: float = 0.0
+    slot_occupancy: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -297,6 +302,7 @@ class SimConfig:
             "call_work_s",
             "call_work_exponent",
             "compile_contention",
+            "slot_occupancy",
         )
         for name in costs:
             if getattr(self, name) < 0:
@@ -306,6 +312,11 @@ class SimConfig:
                 raise ValueError(f"sim.{name}={getattr(self, name)}, expected >= 0")
         if not 0 <= self.batch_cost <= 1:
             raise ValueError(f"sim.batch_cost={self.batch_cost}, expected in [0, 1]")
+        if self.slot_occupancy > 0 and (self.executions_hold_slots or not self.load_model):
+            raise ValueError(
+                f"sim.slot_occupancy={self.slot_occupancy} needs the load model (decode_cores "
+                "> 0: decode phases to measure) and executions_hold_slots=False"
+            )
         if self.workload not in WORKLOADS:
             raise ValueError(f"sim.workload={self.workload!r}, expected one of {WORKLOADS}")
 
@@ -758,6 +769,8 @@ class Simulator:
         self.turns = np.full(total, config.turns) if calls is None else calls.reshape(-1)
         self.left = self.remaining / self.turns
         self.phase_since = np.zeros(total)
+        self.in_calls = np.zeros(total)  # seconds in decode phases (load model)
+        self.generation_share = GenerationShare()
         # (execution, start, end, work, (engine cell at its start, at its end), prompt
         # tokens with context growth, else None)
         self.calls: list[tuple[int, float, float, float, tuple[int, int], int | None]] = []
@@ -1058,6 +1071,7 @@ class Simulator:
             engines = (int(self.call_engine[e]), int(self.engine[e]))
             prompt = self._prompt(e) if c.context_tokens > 0 else None
             self.calls.append((e, self.phase_since[e], self.now, work, engines, prompt))
+            self.in_calls[e] += self.now - self.phase_since[e]
         self.phase[e] += 1
         self.phase_since[e] = self.now
         if self.phase[e] >= 2 * self.turns[e] - 1:
@@ -1136,6 +1150,14 @@ class Simulator:
         self.running.remove(e)
         self.totals[2] += 1
         seq = e // self.config.group_size
+        if self.config.slot_occupancy > 0:  # the capacity follows the agents
+            self.generation_share.add(self.in_calls[e], self.now - self.dispatched_at[seq])
+            share = self.generation_share.share()
+            if share is not None:
+                occupancy = self.config.slot_occupancy
+                self.driver.set_capacity(
+                    capacity_from_share(self.config.capacity, occupancy, share)
+                )
         self.group_left[seq] -= 1
         if self.group_left[seq] == 0:
             self.in_flight_versions[self.group_version[seq]] -= 1
