@@ -10,7 +10,7 @@ import pytest
 from gyrejax.scheduler import calibrate
 from gyrejax.scheduler.driver import capacity_from_share
 from gyrejax.scheduler.policies import make_policy
-from gyrejax.scheduler.simulator import HOUR, SimConfig, Simulator, make_trace, simulate
+from gyrejax.scheduler.simulator import HOUR, SimConfig, Simulator, Trace, make_trace, simulate
 
 # A run whose parameters we know: cells sharing one host (as CPU-emulated devices do),
 # engines that hold a request only while it generates, a fixed per-step overhead.
@@ -171,6 +171,48 @@ def test_the_outside_calls_bound_is_never_beaten(tmp_path, policy):
         assert policy != "elastic" or bound > 0.5 * wall, (seed, mu, bound, wall)
     (workdir / "executions").rename(tmp_path / "gone")  # no model calls: no bound
     assert calibrate.outside_calls_bound_s(workdir) is None
+
+
+def test_the_outside_calls_bound_charges_no_rollout_and_knows_its_premises(tmp_path):
+    # Ten 100 s steps on one training cell while the other rolls out; five groups wait
+    # 390 s on tools. Tool time overlaps training, so charging the groups' time outside
+    # calls as cell-time (as slots would) put the bound at 1098 s over a 1001 s wall.
+    b_groups, steps = 1, 10
+    config = SimConfig(
+        cells=2, capacity=1, group_size=1, groups_per_step=b_groups, steps=steps, mu=1, phi=0,
+        max_staleness=4, executions_hold_slots=False, train_parallel=False,
+        decode_cores=100.0, train_cores=1.0, turns=2, tool_median_s=1.0,
+        train_s_per_token=1.0, to_training_s=0.0, to_rollout_s=0.0, timeout_s=1e9,
+    )  # fmt: skip
+    tool = np.array([1.0] * 5 + [390.0] * 5).reshape(steps, 1, 1)
+    trace = Trace(
+        np.full((steps, 1), 0.01),
+        np.full((steps, 1), 100.0),
+        np.zeros((steps, 1), bool),
+        None,
+        tool,
+    )
+    options = {"training_cells": 1, "lookahead": "gate"}
+    result = Simulator(config, make_policy("async", **options), trace).run()
+    assert result.over_stale == 0
+    calibrate.write_run_logs(config, result, "async", tmp_path, 0.0, options)
+    wall = json.loads((tmp_path / "run_summary.json").read_text())["wall_s"]
+    bound = calibrate.outside_calls_bound_s(tmp_path)
+    assert 0.9 * wall < bound <= wall + 1e-9, (bound, wall)
+    # Where its premises fail it gives none: the gate broken, an update skipped, a group
+    # trained in no logged step.
+    summary, rows = tmp_path / "run_summary.json", tmp_path / "metrics.jsonl"
+    good_summary, good_rows = summary.read_text(), rows.read_text()
+    summary.write_text(json.dumps({**json.loads(good_summary), "over_stale": 1}))
+    assert calibrate.outside_calls_bound_s(tmp_path) is None
+    summary.write_text(good_summary)
+    lines = [json.loads(line) for line in good_rows.splitlines()]
+    rows.write_text("\n".join(json.dumps({**r, "skipped": r["step"] == 3}) for r in lines))
+    assert calibrate.outside_calls_bound_s(tmp_path) is None
+    rows.write_text("\n".join(json.dumps(r) for r in lines[:-1]))
+    assert calibrate.outside_calls_bound_s(tmp_path) is None
+    rows.write_text(good_rows)
+    assert calibrate.outside_calls_bound_s(tmp_path) == bound
 
 
 def test_load_fit_recovers_known_parameters_from_a_simulated_log(tmp_path):

@@ -186,12 +186,21 @@ def outside_calls_bound_s(workdir: Path) -> float | None:
     `simulator.makespan_bound_s` has it (groups in the run's dispatch order, any
     cadence, rollout slots unlimited), after the run's first dispatch. It bounds this
     run only (another run's executions differ); wall / bound is what model calls, slots
-    and scheduling added. None without model calls or a full set of groups."""
+    and scheduling added. None without model calls, or where the bound's premises fail:
+    the gate was broken (`over_stale`), an update was skipped (the versions then lag the
+    steps), or a dispatched group was trained in no logged step."""
     workdir = Path(workdir)
     try:
         calls = read_calls(workdir)
     except ValueError:
         return None
+    summary = json.loads((workdir / "run_summary.json").read_text())
+    rows = read_jsonl(workdir / "metrics.jsonl")
+    dispatched = sorted(read_jsonl(workdir / "dispatch.jsonl"), key=lambda d: d["seq"])
+    if summary.get("over_stale") or any(r.get("skipped") for r in rows):
+        return None  # the gate broken, or versions lagging the steps: its premises fail
+    if {g for r in rows for g in r.get("groups", ())} != {d["group"] for d in dispatched}:
+        return None  # groups dispatched but trained in no logged step (nothing to train)
     in_calls: dict[str, float] = {}
     for c in calls:
         in_calls[c["execution"]] = in_calls.get(c["execution"], 0.0) + c["end"] - c["start"]
@@ -199,12 +208,10 @@ def outside_calls_bound_s(workdir: Path) -> float | None:
     for e in read_jsonl(workdir / "executions.jsonl"):
         outside = e["finished_s"] - e["started_s"] - in_calls.get(e["execution"], 0.0)
         members.setdefault(e["group"], []).append(max(0.0, outside))
-    dispatched = sorted(read_jsonl(workdir / "dispatch.jsonl"), key=lambda d: d["seq"])
-    steps = [s for s in read_jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
-    schedule = json.loads((workdir / "run_summary.json").read_text())["schedule"]
+    steps, schedule = rows, summary["schedule"]
     n, b = schedule["group_size"], schedule["groups_per_step"]
-    groups = [members.get(d["group"], []) for d in dispatched][: len(steps) * b]
-    if not steps or len(groups) < len(steps) * b:
+    groups = [members.get(d["group"], []) for d in dispatched]
+    if not steps or len(groups) != len(steps) * b:
         return None
     durations = np.array([(g + [0.0] * n)[:n] for g in groups])
     # Two cells sharing a step's work: `step_s` of each group's tokens makes the B
@@ -212,7 +219,8 @@ def outside_calls_bound_s(workdir: Path) -> float | None:
     fastest = min(s["step_s"] for s in steps)
     sim = SimConfig(
         cells=2,
-        capacity=len(durations) * n,  # slots bind nothing
+        capacity=n,
+        executions_hold_slots=False,  # agents waiting on tools hold nothing: rollout is free
         group_size=n,
         groups_per_step=b,
         steps=len(steps),
@@ -842,6 +850,7 @@ def write_run_logs(
         compiles: dict[int, list] = {}
         for step, cell, wall in log.get("join_compiles", []):
             compiles.setdefault(step, []).append({"cell": cell, "compile_s": wall})
+        b = sim.groups_per_step
         for step, (start, end, tokens, cells, at_start) in enumerate(log["steps"], start=1):
             joins = compiles.get(step, [])
             joins += [{"cell": -1, "compile_s": 0.0}] * (cells - at_start - len(joins))
@@ -854,6 +863,7 @@ def write_run_logs(
                         "tokens": tokens,
                         "cells": list(range(at_start)),  # as the runtime: at the start
                         "joins": joins,
+                        "groups": [f"g{g}" for g in result.trained[(step - 1) * b : step * b]],
                     }
                 )
                 + "\n"

@@ -535,10 +535,16 @@ def makespan_bound_terms_s(config: SimConfig, trace: Trace) -> dict[str, float]:
     """Each term of `makespan_bound_s` by name (`BOUND_TERMS`; the bound is the largest):
     the one that binds names what limits every policy on this trace."""
     c = config
+    if not c.executions_hold_slots:  # slots bind nothing: rollout costs no cell-time
+        c = c.replace(capacity=FREE_SLOTS)
     key = (c.cells, c.capacity, c.groups_per_step, c.steps, c.max_staleness, c.train_s_per_token)
     if key not in trace.bounds:
         trace.bounds[key] = _makespan_bound_terms(c, trace)
     return dict(trace.bounds[key])
+
+
+# A capacity no rollout fills: a cell-second of rollout then costs ~nothing.
+FREE_SLOTS = 2**62
 
 
 # The terms of `makespan_bound_s`, in its docstring's order.
@@ -601,18 +607,19 @@ def gate_windows_bound_s(config: SimConfig, trace: Trace) -> float:
 def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
     """The deadline chain (a lower bound on the makespan at any cadence; 0 without a gate).
 
-    When b steps are done (P_b, the end of step b - 1), b B groups are trained and the
-    untrained groups dispatched so far carry versions <= b (no newer one exists), so they
-    must be trained by step b + S: at most (S + 1) B of them. So group g, in block
-    j = g // B, is dispatched no sooner than P_{j - S}, and finishes no sooner than
-    f_g = P_{j - S} + its longest execution. Two things then hold for each step k:
-      * at P_{j + 1} at least (j + 1) B groups were dispatched, in order, so block j
-        carries a version <= j and must be trained by step j + S: step k >= j + S
-        starts no sooner than the block's latest f_g, and the last step waits for every
-        block;
-      * steps 0..k train (k + 1) B groups, each finished before its step starts: step k
-        starts no sooner than the (k + 1) B-th smallest f_g (among the groups that can be
-        dispatched before it starts, g < (k + S + 1) B).
+    Before P_b (the end of step b - 1) at most b - 1 steps are done, so at most
+    (b - 1) B groups are trained and the untrained ones carry versions <= b - 1 (no
+    newer one exists), to be trained by step b - 1 + S: at most (S + 1) B of them. So
+    group g, in block j = g // B, is dispatched no sooner than P_{j - S}, and finishes no
+    sooner than f_g = P_{j - S} + its longest execution. Two things then hold for each
+    step k:
+      * steps 0..j train (j + 1) B groups, each dispatched before step j starts, in
+        order: block j was dispatched before step j started, so it carries a version
+        <= j and must be trained by step j + S: step k >= j + S starts no sooner than
+        the block's latest f_g, and the last step waits for every block;
+      * steps 0..k train (k + 1) B groups, each finished no later than its step starts:
+        step k starts no sooner than the (k + 1) B-th smallest f_g (among the groups
+        that can be dispatched before it starts, g < (k + S + 1) B).
     Steps follow each other and take at least the training of the B groups with the
     fewest tokens on all cells; P_b is also no sooner than (the idle forced before the
     first step + the rollout and training of the b B cheapest groups among the first
