@@ -8,7 +8,7 @@ Usage:
                                       [--real_processes P] [--real_lookaheads]
                                       [--real_cell_capacities N,...]
                                       [--real_occupancies X,...] [--real_only REGEX]
-                                      [--real_flags=FLAGS]
+                                      [--real_flags=FLAGS] [--real_passes N]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--reward_plot PATH]
 
@@ -57,7 +57,11 @@ holds no slot, so elastic's waterlevel may free more cells (async's split does n
 its agents spend in model calls (`scheduler.slot_occupancy`). `--real_only REGEX` runs
 only the variants whose name matches (each policy's best, re-measured); `--real_flags`
 adds flags to every real run, given with "=" (a value starting with "--"), e.g. a looser
-gate: `--real_flags=--config.scheduler.max_staleness=11`.
+gate: `--real_flags=--config.scheduler.max_staleness=11`. `--real_passes N` runs every
+variant N times, pass after pass (DIR/<regime>/pass<i>/), and prints each variant's
+walls and median, and elastic's best against the better baseline's as the ratio of
+medians and pass by pass (the machines are noisy: one run is one draw); each variant's
+median run is then the one calibration and the reward plot use.
 
 --quick uses configs/sim_paper.py:quick (12 steps, one seed, one small shape).
 """
@@ -535,56 +539,114 @@ def real_runs(args) -> dict:
     def slug(text: str) -> str:
         return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
-    results = {}
+    if args.real_passes < 1:
+        raise SystemExit(f"--real_passes={args.real_passes}: expected >= 1")
+    results, medians = {}, {}
     for regime in regimes:
         key = regime if processes == 1 else f"{regime}, {processes} pinned processes"
         key += f", {args.real_flags}" if args.real_flags else ""
-        results[key] = {}
         folder = regime if processes == 1 else f"{regime}_p{processes}"
         if args.real_flags:  # runs under other flags are other runs
             folder += "_" + slug(args.real_flags)
-        for name, flags in variants:
-            workdir = root / folder / slug(name)
-            if (workdir / "run_summary.json").exists():  # finished by an earlier invocation
-                print(f"[real] {workdir}: done before, read back", flush=True)
-                results[key][name] = calibrate.read_run(workdir)
-                continue
-            # A run cut short would resume from its checkpoint and time only its rest:
-            # every measured run starts afresh.
-            shutil.rmtree(workdir, ignore_errors=True)
-            if args.real_warm:
-                for part in ("demonstrations", "warmup"):
-                    shutil.copytree(Path(args.real_warm) / part, workdir / part)
-            command = [
-                *prefix,
-                sys.executable,
-                "-m",
-                "gyrejax.launch",
-                "--config",
-                "configs/tiny_cpu.py",
-                f"--workdir={workdir}",
-                *layout,
-                *flags,
-                *REGIMES[regime],
-                *args.real_flags.split(),
-                f"--config.train.steps={args.real_steps}",
-                *([] if args.real_warm else ["--config.warmup.steps=0"]),
+        by_pass = []
+        # Pass after pass, every variant in each: slow drifts of the machine's load then
+        # fall on every variant alike.
+        for p in range(args.real_passes):
+            where = root / folder if args.real_passes == 1 else root / folder / f"pass{p + 1}"
+            runs = {}
+            for name, flags in variants:
+                command = [*prefix, sys.executable, "-m", "gyrejax.launch"]
+                command += ["--config", "configs/tiny_cpu.py", *layout, *flags, *REGIMES[regime]]
+                command += [*args.real_flags.split(), f"--config.train.steps={args.real_steps}"]
+                command += [] if args.real_warm else ["--config.warmup.steps=0"]
+                label = f"{name} ({key}, pass {p + 1})"
+                runs[name] = _real_run(where / slug(name), command, args.real_warm, label)
+            for run in runs.values():
+                run["outside_calls_bound_s"] = calibrate.outside_calls_bound_s(run["workdir"])
+            _print_real(key if args.real_passes == 1 else f"{key}, pass {p + 1}", runs)
+            by_pass.append(runs)
+        # Each variant's median run (the lower one of an even count) stands for it below.
+        results[key] = {
+            name: sorted((runs[name] for runs in by_pass), key=lambda r: r["wall_s"])[
+                (len(by_pass) - 1) // 2
             ]
-            print(f"[real] {' '.join(command)}", flush=True)
-            workdir.mkdir(parents=True, exist_ok=True)
-            env = dict(os.environ, LOG_DIR=str(workdir / "process_logs"))
-            with open(workdir / "launch.log", "w") as log:
-                done = subprocess.run(
-                    command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
-                )
-            if done.returncode != 0:
-                tail = (workdir / "launch.log").read_text().splitlines()[-20:]
-                raise SystemExit(f"{name} ({regime}) failed:\n" + "\n".join(tail))
-            results[key][name] = calibrate.read_run(workdir)
-        for run in results[key].values():
-            run["outside_calls_bound_s"] = calibrate.outside_calls_bound_s(run["workdir"])
-        _print_real(key, results[key])
-    return {"root": str(root), "runs": results}
+            for name in by_pass[0]
+        }
+        if args.real_passes > 1:
+            medians[key] = pass_medians(by_pass)
+            _print_medians(key, medians[key])
+    return {"root": str(root), "runs": results, "passes": medians}
+
+
+def _real_run(workdir: Path, command: list[str], warm: str | None, label: str) -> dict:
+    """One real run of `command` in `workdir` (read back if an earlier invocation
+    finished it), from the warm start `warm` if given."""
+    from gyrejax.scheduler import calibrate
+
+    if (workdir / "run_summary.json").exists():
+        print(f"[real] {workdir}: done before, read back", flush=True)
+        return calibrate.read_run(workdir)
+    # A run cut short would resume from its checkpoint and time only its rest: every
+    # measured run starts afresh.
+    shutil.rmtree(workdir, ignore_errors=True)
+    if warm:
+        for part in ("demonstrations", "warmup"):
+            shutil.copytree(Path(warm) / part, workdir / part)
+    command = [*command, f"--workdir={workdir}"]
+    print(f"[real] {' '.join(command)}", flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, LOG_DIR=str(workdir / "process_logs"))
+    with open(workdir / "launch.log", "w") as log:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = (workdir / "launch.log").read_text().splitlines()[-20:]
+        raise SystemExit(f"{label} failed:\n" + "\n".join(tail))
+    return calibrate.read_run(workdir)
+
+
+def pass_medians(by_pass: list[dict]) -> dict:
+    """Several passes of the same variants: each variant's walls and median; each
+    policy's best variant by median; elastic's best against the better baseline's, as
+    the ratio of medians and pass by pass (the two variants' walls in the same pass)."""
+    names = list(by_pass[0])
+    walls = {name: [runs[name]["wall_s"] for runs in by_pass] for name in names}
+    median = {name: float(np.median(w)) for name, w in walls.items()}
+    best = {}
+    for policy in ("colocate", "async", "elastic"):
+        named = [n for n in names if n.startswith(policy)]
+        if named:
+            best[policy] = min(named, key=median.get)
+    out = {"walls_s": walls, "median_s": median, "best": best}
+    baselines = [best[p] for p in ("colocate", "async") if p in best]
+    if "elastic" in best and baselines:
+        baseline = min(baselines, key=median.get)
+        elastic = best["elastic"]
+        out["vs_better_baseline"] = {
+            "baseline": baseline,
+            "elastic": elastic,
+            "of_medians": median[baseline] / median[elastic],
+            "pass_by_pass": [b / e for b, e in zip(walls[baseline], walls[elastic], strict=True)],
+        }
+    return out
+
+
+def _print_medians(regime: str, summary: dict) -> None:
+    walls, median = summary["walls_s"], summary["median_s"]
+    passes = len(next(iter(walls.values())))
+    print(f"\n### real tiny CPU runs, regime: {regime}: medians of {passes} passes\n")
+    print("| variant | " + " | ".join(f"pass {p + 1} s" for p in range(passes)) + " | median s |")
+    print("|---|" + "---|" * (passes + 1))
+    for name, w in walls.items():
+        print(f"| {name} | " + " | ".join(f"{x:.1f}" for x in w) + f" | {median[name]:.1f} |")
+    print("\nbest of each policy by median: " + ", ".join(summary["best"].values()))
+    vs = summary.get("vs_better_baseline")
+    if vs:
+        each = ", ".join(f"{r:.2f}" for r in vs["pass_by_pass"])
+        print(
+            f"elastic ({vs['elastic']}) vs the better baseline ({vs['baseline']}): "
+            f"{vs['of_medians']:.2f}x of medians; pass by pass {each} "
+            f"(median {np.median(vs['pass_by_pass']):.2f}x)"
+        )
 
 
 def _print_real(regime: str, runs: dict) -> None:
@@ -737,6 +799,12 @@ def main() -> None:
         "--real_flags",
         default="",
         help="more flags for every real run, e.g. --real_flags=--config.scheduler.max_staleness=11",
+    )
+    parser.add_argument(
+        "--real_passes",
+        type=int,
+        default=1,
+        help="> 1: every real variant that many times, pass after pass; medians reported",
     )
     parser.add_argument(
         "--real_processes",

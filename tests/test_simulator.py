@@ -576,6 +576,24 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     # optional dispatch depths and cell capacities add elastic (and async) rows only.
     names = [name for name, _ in bench.real_variants()]
     assert len(names) == 2 * 5 and "async(3) mu=2" in names and "elastic mu=1" in names
+    # Several passes: medians per variant, each policy's best by median, and elastic's
+    # best against the better baseline's as a ratio of medians and pass by pass.
+    walls = {
+        "async(1) mu=1": [30, 36, 33],
+        "async(2) mu=1": [31, 29, 40],
+        "elastic mu=1": [32, 30, 35],
+    }
+    by_pass = [{n: {"wall_s": float(w[p])} for n, w in walls.items()} for p in range(3)]
+    summary = bench.pass_medians(by_pass)
+    assert summary["median_s"] == {
+        "async(1) mu=1": 33.0,
+        "async(2) mu=1": 31.0,
+        "elastic mu=1": 32.0,
+    }
+    assert summary["best"] == {"async": "async(2) mu=1", "elastic": "elastic mu=1"}
+    vs = summary["vs_better_baseline"]
+    assert vs["baseline"] == "async(2) mu=1" and vs["of_medians"] == pytest.approx(31 / 32)
+    assert vs["pass_by_pass"] == pytest.approx([31 / 32, 29 / 30, 40 / 35])
     more = dict(bench.real_variants(lookaheads=True, cell_capacities=(48,), occupancies=(0.5,)))
     assert len(more) == 2 * 11
     assert "--config.scheduler.cell_capacity=48" in more["elastic mu=2 cap=48"]
