@@ -76,7 +76,7 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert idle == pytest.approx(1 - written["utilisation"], abs=0.01)
     assert sum(sum(s["cell_s"].values()) for s in steps) <= sum(cell_s.values()) + 1e-6
     assert written["schedule"]["policy"] == policy and written["over_stale"] == 0
-    # What calibrate needs to predict a run like it: the split and the dispatch depth too.
+    # What calibrate needs to predict a run like it: the dispatch depth, slot_occupancy.
     assert written["schedule"]["lookahead"] == config.scheduler.lookahead
     assert written["schedule"]["slot_occupancy"] == config.scheduler.slot_occupancy
     assert all(s["capacity"] >= config.rollout.max_slots for s in steps)

@@ -424,7 +424,7 @@ def test_gate_windows_never_beaten_and_binding_at_tight_gates():
 class _DelaysDispatch:
     """A policy that dispatches a random part of what `inner` would (at least one group
     when nothing else would happen): the bound claims to hold for any dispatch timing,
-    and holding groups back is what our policies never do."""
+    and holding groups back at random is what our policies never do."""
 
     def __init__(self, inner, rng: np.random.Generator):
         self.inner, self.rng = inner, rng
