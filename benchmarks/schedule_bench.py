@@ -611,11 +611,9 @@ def pass_medians(by_pass: list[dict]) -> dict:
     names = list(by_pass[0])
     walls = {name: [runs[name]["wall_s"] for runs in by_pass] for name in names}
     median = {name: float(np.median(w)) for name, w in walls.items()}
-    best = {}
-    for policy in ("colocate", "async", "elastic"):
-        named = [n for n in names if n.startswith(policy)]
-        if named:
-            best[policy] = min(named, key=median.get)
+    by_median = {name: {"wall_s": m} for name, m in median.items()}
+    best = {p: best_of(by_median, p) for p in ("colocate", "async", "elastic")}
+    best = {p: b[0] for p, b in best.items() if b is not None}
     out = {"walls_s": walls, "median_s": median, "best": best}
     baselines = [best[p] for p in ("colocate", "async") if p in best]
     if "elastic" in best and baselines:

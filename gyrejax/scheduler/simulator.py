@@ -634,19 +634,15 @@ def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
     rollout = trace.duration_s.sum(axis=1) / c.capacity  # cell-seconds per group
     train = trace.tokens.sum(axis=1) * c.train_s_per_token
     step_min = _cheapest_step_s(c, trace)
-    starts: list[float] = []
+    ends = [0.0]  # P_b for b = 0, 1, ... as the steps' starts become known
 
     def published(b: int) -> float:  # P_b
-        if b <= 0:
-            return 0.0
-        done, known = b * b_groups, min(len(train), (b + s_max) * b_groups)
-        cheapest = np.partition(rollout[:known], done - 1)[:done].sum()
-        cheapest += np.partition(train[:known], done - 1)[:done].sum()
-        return max(starts[b - 1] + step_min, (idle_fill + cheapest) / c.cells)
+        return ends[max(b, 0)]
 
     finish: list[float] = []  # f_g, for the groups that can be dispatched so far
+    start = -step_min  # (the step before the first)
     for k in range(steps):
-        start = starts[-1] + step_min if starts else 0.0
+        start += step_min
         for g in range(len(finish), min(len(longest), (k + s_max + 1) * b_groups)):
             finish.append(published(g // b_groups - s_max) + float(longest[g]))
         trained = (k + 1) * b_groups  # by steps 0..k
@@ -655,8 +651,13 @@ def _deadline_chain(config: SimConfig, trace: Trace, idle_fill: float) -> float:
         for j in due:
             if j >= 0:
                 start = max(start, published(j - s_max) + float(block_longest[j]))
-        starts.append(start)
-    return starts[-1] + step_min
+        # P_{k+1}: this step's end, and no sooner than the forced idle and the work of the
+        # (k + 1) B cheapest groups among the first (k + 1 + S) B, over the cells.
+        done, known = (k + 1) * b_groups, min(len(train), (k + 1 + s_max) * b_groups)
+        cheapest = np.partition(rollout[:known], done - 1)[:done].sum()
+        cheapest += np.partition(train[:known], done - 1)[:done].sum()
+        ends.append(max(start + step_min, (idle_fill + cheapest) / c.cells))
+    return start + step_min
 
 
 @dataclasses.dataclass(frozen=True)
