@@ -83,6 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyrejax.scheduler.driver import TRAINER_TIME
 from gyrejax.scheduler.policies import IDLE_CAUSES
 from gyrejax.scheduler.simulator import (
     HOUR,
@@ -225,6 +226,7 @@ def _mean_summary(runs: list[dict]) -> dict:
         "idle_cell_h": {
             k: float(np.mean([r["idle_cell_h"][k] for r in runs])) for k in IDLE_CAUSES
         },
+        "trainer_h": {k: float(np.mean([r["trainer_h"][k] for r in runs])) for k in TRAINER_TIME},
         "transitions": float(np.mean([sum(r["transitions"].values()) for r in runs])),
     }
 
@@ -285,9 +287,13 @@ def fair(pool, cfg, report: dict) -> None:
             )
             print(
                 "| S | policy | best setting | makespan h | bound h | / bound | stale max "
-                "| stale mean | idle cell-h: " + ", ".join(IDLE_CAUSES) + " | / elastic |"
+                "| stale mean | idle cell-h: "
+                + ", ".join(IDLE_CAUSES)
+                + " | trainer h: "
+                + ", ".join(TRAINER_TIME[:3])
+                + " | / elastic |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
             report[key] = {}
             for gate in cfg.fair.gates:
                 sim = base.replace(
@@ -314,11 +320,13 @@ def fair(pool, cfg, report: dict) -> None:
                 for policy in POLICIES:
                     r = rows[policy]
                     idle = ", ".join(f"{r['idle_cell_h'][k]:.0f}" for k in IDLE_CAUSES)
+                    # The makespan is the trainer's: after its last step the run ends.
+                    trainer = ", ".join(f"{r['trainer_h'][k]:.1f}" for k in TRAINER_TIME[:3])
                     print(
                         f"| {gate} | {policy} | {setting_label(policy, r['setting'])} "
                         f"| {r['makespan_h']:.1f} | {r['bound_h']:.1f} | {r['over_bound']:.3f} "
                         f"| {r['staleness_max']} | {r['staleness_mean']:.2f} | {idle} "
-                        f"| {r['makespan_h'] / elastic:.3f}x |",
+                        f"| {trainer} | {r['makespan_h'] / elastic:.3f}x |",
                         flush=True,
                     )
             print(
@@ -657,17 +665,22 @@ def _print_real(regime: str, runs: dict) -> None:
     )
     print(
         "| variant | steps | RL wall s | / best elastic | / own bound | utilisation | idle "
-        "share: " + ", ".join(IDLE_CAUSES) + " | reward first -> last | switches | max staleness |"
+        "share: "
+        + ", ".join(IDLE_CAUSES)
+        + " | trainer s: "
+        + ", ".join(TRAINER_TIME)
+        + " | reward first -> last | switches | max staleness |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         idle = ", ".join(f"{r['idle_share'].get(k, 0):.2f}" for k in IDLE_CAUSES)
+        trainer = ", ".join(f"{r['trainer_s'][k]:.1f}" for k in TRAINER_TIME)
         bound = r.get("outside_calls_bound_s")
         over = f"{r['wall_s'] / bound:.2f}" if bound else "-"
         ratio = r["wall_s"] / reference["wall_s"]
         print(
             f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {ratio:.2f}x "
-            f"| {over} | {r['utilisation']:.3f} | {idle} "
+            f"| {over} | {r['utilisation']:.3f} | {idle} | {trainer} "
             f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['switches']} "
             f"| {r['staleness_max']:.0f} |"
         )

@@ -56,6 +56,10 @@ def test_fit_recovers_known_parameters_from_a_simulated_log(tmp_path, policy):
     # async(1) trains on one cell throughout: the log cannot tell the two models apart.
     assert got["train_parallel_identified"] is (policy == "elastic")
     assert got["startup_s"] == pytest.approx(7.0)
+    # The summary has no trainer_s (as runs from before it): read from the metrics rows.
+    spent, direct = calibrate.read_run(tmp_path)["trainer_s"], result.trainer_time_s()
+    assert spent["training"] == pytest.approx(direct["training"])
+    assert spent["before_first_step"] == pytest.approx(7.0 + direct["before_first_step"])
     if policy == "elastic":  # async never switches after its first moves
         assert got["to_training_s"] == pytest.approx(TRUTH.to_training_s, rel=0.05)
         assert got["to_rollout_s"] == pytest.approx(TRUTH.to_rollout_s, rel=0.05)

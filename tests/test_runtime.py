@@ -75,6 +75,11 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     idle = sum(v for k, v in cell_s.items() if k != "busy") / sum(cell_s.values())
     assert idle == pytest.approx(1 - written["utilisation"], abs=0.01)
     assert sum(sum(s["cell_s"].values()) for s in steps) <= sum(cell_s.values()) + 1e-6
+    # The wall time from the trainer's side: its steps' own times, and the rest around them.
+    spent = written["trainer_s"]
+    assert sum(spent.values()) == pytest.approx(written["wall_s"])
+    assert spent["training"] == pytest.approx(sum(s["step_s"] for s in steps))
+    assert min(spent.values()) >= 0 and spent["before_first_step"] > 0
     assert written["schedule"]["policy"] == policy and written["over_stale"] == 0
     # What calibrate needs to predict a run like it: the dispatch depth, slot_occupancy.
     assert written["schedule"]["lookahead"] == config.scheduler.lookahead
@@ -151,6 +156,11 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert read_jsonl(tmp_path / "transitions.jsonl")
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["steps"] == 8
+    # Its wall time from the trainer's side counts only its own steps (the first run's
+    # rows were timed by another clock).
+    spent = summary["trainer_s"]
+    assert sum(spent.values()) == pytest.approx(summary["wall_s"])
+    assert spent["training"] == pytest.approx(sum(s["step_s"] for s in steps[resumed_at:]))
 
 
 def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path, bpe_tokenizer):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyrejax.scheduler.driver import TRAINER_TIME, trainer_time
 from gyrejax.scheduler.policies import make_policy
 from gyrejax.scheduler.simulator import (
     BOUND_TERMS,
@@ -198,6 +199,28 @@ def test_idle_accounting_sums_to_the_cluster_time():
     assert colocate.idle_s["other"] > 0  # its rollout cells wait for the burst to be trained
     summary = colocate.summary()
     assert summary["idle_cell_h"]["other"] == pytest.approx(colocate.idle_s["other"] / HOUR)
+
+
+def test_trainer_time_sums_to_the_makespan_and_holds_the_steps_work():
+    assert trainer_time([(2.0, 5.0), (7.0, 8.0)], 10.0) == {
+        "before_first_step": 2.0,
+        "training": 4.0,
+        "between_steps": 2.0,
+        "after_last_step": 2.0,
+    }
+    assert trainer_time([], 3.0) == dict(zip(TRAINER_TIME, (3.0, 0.0, 0.0, 0.0), strict=True))
+    config = SMALL.replace(max_staleness=2)
+    trace = make_trace(config)
+    for policy, options in RUNS:
+        result = simulate(config, policy, trace, **options)
+        spent = result.trainer_time_s()
+        assert sum(spent.values()) == pytest.approx(result.makespan_s, rel=1e-9)
+        assert min(spent.values()) >= 0 and spent["after_last_step"] == 0  # ends with a step
+        assert result.summary()["trainer_h"]["training"] == pytest.approx(spent["training"] / HOUR)
+        if policy == "async":  # a fixed split: each step is its tokens' work over k cells
+            tokens = trace.tokens[list(result.trained)].sum()
+            k = options["training_cells"]
+            assert spent["training"] == pytest.approx(tokens * config.train_s_per_token / k)
 
 
 # Found by a random search over small configs: after a burst boundary the elastic policy
@@ -602,6 +625,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     # The real table of a subset (--real_only): no colocate run, still a comparison.
     run = dict(steps=12, utilisation=0.3, idle_share={}, reward_first=0.2, reward_last=0.4)
     run.update(switches=0, staleness_max=3, outside_calls_bound_s=20.0)
+    run.update(trainer_s=dict(zip(TRAINER_TIME, (6.5, 4.5, 18.7, 0.3), strict=True)))
     capsys.readouterr()
     bench._print_real(
         "latency",
@@ -609,6 +633,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     )
     out = capsys.readouterr().out
     assert "elastic vs the better baseline: 0.91x" in out and "colocate" not in out
+    assert "| 6.5, 4.5, 18.7, 0.3 |" in out  # the trainer's side of the wall
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async", "elastic"])

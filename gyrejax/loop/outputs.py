@@ -26,6 +26,7 @@ from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.logs import append_jsonl, mark, read_jsonl
 from gyrejax.loop.context import RunContext
 from gyrejax.scheduler import plots
+from gyrejax.scheduler.driver import trainer_time
 from gyrejax.scheduler.policies import IDLE_CAUSES, Role
 from gyrejax.train.trainer import StepReport
 from gyrejax.trajectory import PackedBatch
@@ -178,8 +179,11 @@ def step_record(
     return record
 
 
-def write_summary(ctx: RunContext, cell_time: CellTime, over_stale: int) -> dict:
-    """Writes `run_summary.json` and the plots; returns the summary."""
+def write_summary(
+    ctx: RunContext, cell_time: CellTime, over_stale: int, resumed_at: int = 0
+) -> dict:
+    """Writes `run_summary.json` and the plots; returns the summary. `resumed_at`: the
+    step this process resumed from (earlier rows were timed by an earlier process)."""
     config, workdir = ctx.config, ctx.workdir
     records = read_jsonl(workdir / "metrics.jsonl")
     transitions = read_jsonl(workdir / "transitions.jsonl")
@@ -187,10 +191,11 @@ def write_summary(ctx: RunContext, cell_time: CellTime, over_stale: int) -> dict
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     k = max(1, len(rewards) // 4)
     busy = cell_time.busy_samples
+    wall_s = ctx.now()
     summary = {
         "policy": config.scheduler.policy,
         "steps": ctx.trainer.step,
-        "wall_s": ctx.now(),
+        "wall_s": wall_s,
         "reward_first": float(np.mean(rewards[:k])) if rewards else None,
         "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
         # Step rewards are noisy (a few groups each): means over tenths of the run.
@@ -202,6 +207,17 @@ def write_summary(ctx: RunContext, cell_time: CellTime, over_stale: int) -> dict
         # Cell-seconds busy and idle by cause (sampled every 0.25 s): they sum to
         # cells x the sampled time, and their idle share is 1 - utilisation.
         "cell_s": dict(cell_time.cell_s),
+        # The wall time from the trainer's side: before its first step, in steps (the
+        # trainer's step_s), between steps (packing, checkpoints, publication and waiting
+        # for data), after the last; they sum to wall_s.
+        "trainer_s": trainer_time(
+            [
+                (r["time_s"] - r["step_s"], r["time_s"])
+                for r in records
+                if r.get("step", -1) > resumed_at
+            ],
+            wall_s,
+        ),
         "over_stale": over_stale,
         "schedule": schedule_fields(config, len(ctx.cells)),
         # Which sandbox ran agent code; without bubblewrap it says it is no boundary.

@@ -146,7 +146,7 @@ class Runtime:
                 await ctx.step_task
         finally:
             await self._shutdown()
-        return write_summary(ctx, self.cell_time, self.steps.over_stale)
+        return write_summary(ctx, self.cell_time, self.steps.over_stale, self.steps.resumed_at)
 
     async def _agents(self, proxy):
         """What runs executions: the built-in harness, or the user's agent command

@@ -58,6 +58,7 @@ class Steps:
         self.tokenizer = tokenizer_fingerprint(ctx.config.model.tokenizer)  # (read once)
         self.trained_groups: list[str] = []
         self.over_stale = 0  # groups trained more than max_staleness versions late
+        self.resumed_at = 0  # the step this process started from (its rows come after)
 
     def maybe_start(self) -> None:
         """Starts a step if the driver's rules and the staleness gate allow one."""
@@ -139,6 +140,7 @@ class Steps:
             self.trained_groups = list(meta["trained_groups"])
             ctx.driver.burst = int(meta["burst"])
             ctx.driver.rollout_version = trainer.version
+            self.resumed_at = trainer.step
             logging.info(
                 "resumed from step %d (%d groups trained)", trainer.step, len(self.trained_groups)
             )

@@ -79,6 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.logs import read_jsonl
+from gyrejax.scheduler.driver import trainer_time
 from gyrejax.scheduler.simulator import (
     SMALLEST_BUCKET_LOG2,
     SimConfig,
@@ -153,18 +154,24 @@ class Fit:
 
 def read_run(workdir: Path) -> dict:
     """What a finished run did (from `run_summary.json` and its logs): wall time, steps,
-    utilisation, idle shares by cause, rewards, switches, staleness and its schedule."""
+    utilisation, idle shares by cause, the wall time from the trainer's side, rewards,
+    switches, staleness and its schedule."""
     workdir = Path(workdir)
     summary = json.loads((workdir / "run_summary.json").read_text())
     cell_s = summary.get("cell_s") or {}
     total = sum(cell_s.values()) or 1.0
-    steps = [s for s in read_jsonl(workdir / "metrics.jsonl") if not s.get("skipped")]
+    rows = read_jsonl(workdir / "metrics.jsonl")
+    steps = [s for s in rows if not s.get("skipped")]
+    # Runs from before the summary had it: one process, every row its own.
+    spans = [(r["time_s"] - r["step_s"], r["time_s"]) for r in rows]
+    trainer_s = summary.get("trainer_s") or trainer_time(spans, summary["wall_s"])
     return {
         "workdir": str(workdir),
         "wall_s": summary["wall_s"],
         "steps": summary["steps"],
         "utilisation": summary.get("utilisation") or 0.0,
         "idle_share": {k: v / total for k, v in cell_s.items() if k != "busy"},
+        "trainer_s": trainer_s,
         "reward_first": summary.get("reward_first") or 0.0,
         "reward_last": summary.get("reward_last") or 0.0,
         "reward_by_tenth": summary.get("reward_by_tenth") or [],

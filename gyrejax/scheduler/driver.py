@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from gyrejax.scheduler.policies import CellView, Role, View, gate_allowance, step_groups
@@ -64,6 +65,31 @@ def capacity_from_share(max_slots: int, occupancy: float, share: float) -> int:
     if share <= 0:
         return max_slots
     return max(max_slots, round(max_slots * occupancy / share))
+
+
+# Where a run's wall time goes on the trainer's side (`trainer_time`).
+TRAINER_TIME = ("before_first_step", "training", "between_steps", "after_last_step")
+
+
+def trainer_time(steps: Sequence[tuple[float, float]], end: float) -> dict[str, float]:
+    """A run's wall time from the trainer's side (`TRAINER_TIME`): before its first step,
+    in steps, between steps, after the last one. Steps run one at a time, so the four
+    sum to `end`. More training cells shorten "training"; no policy shortens the time
+    the trainer waits for data under the gate, and that waiting shows "between_steps".
+
+    Args:
+      steps: (start, end) of each step, in order, in seconds (or any one unit).
+      end: the run's end, in the same unit.
+    """
+    if not steps:
+        return dict(zip(TRAINER_TIME, (float(end), 0.0, 0.0, 0.0), strict=True))
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(steps)]
+    return {
+        "before_first_step": float(steps[0][0]),
+        "training": float(sum(e - s for s, e in steps)),
+        "between_steps": float(sum(gaps)),
+        "after_last_step": float(end - steps[-1][1]),
+    }
 
 
 class GenerationShare:

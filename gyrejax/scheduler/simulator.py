@@ -114,7 +114,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from gyrejax.scheduler.driver import Driver, GenerationShare, Schedule, capacity_from_share
+from gyrejax.scheduler.driver import (
+    Driver,
+    GenerationShare,
+    Schedule,
+    capacity_from_share,
+    trainer_time,
+)
 from gyrejax.scheduler.policies import (
     IDLE_CAUSES,
     Policy,
@@ -717,7 +723,13 @@ class SimResult:
             "over_stale": self.over_stale,
             "transitions": dict(self.transitions),
             "idle_cell_h": {k: v / HOUR for k, v in self.idle_s.items()},
+            "trainer_h": {k: v / HOUR for k, v in self.trainer_time_s().items()},
         }
+
+    def trainer_time_s(self) -> dict[str, float]:
+        """The makespan from the trainer's side (`driver.trainer_time`)."""
+        spans = [(start, end) for start, end, *_ in self.log.get("steps", ())]
+        return trainer_time(spans, self.makespan_s)
 
 
 # Execution states.
