@@ -5,6 +5,7 @@ satellite of the other process trains, leaves at a step boundary, and rejoins a 
 step. The RL loop runs through `launch/local.sh` with process 1's engine serving every
 model call over HTTP and its satellite training in every step."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,7 +18,9 @@ import time
 
 import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import REPO_ROOT, call_logprobs, load_config_file, read_jsonl
 
 from gyrejax.cells import split_into_cells
@@ -37,7 +40,7 @@ from gyrejax.trajectory import generate_executions, process
 VOCAB, ROW = 64, 128
 MODEL = ModelConfig(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8,
+    num_kv_heads=2, head_dim=8, dtype=DTYPE,
 )
 TRAIN = TrainConfig(row_length=ROW, rows_per_micro_step=1, learning_rate=1e-3)
 CELLS = dict(size=2, fsdp=2, tensor=1)
@@ -66,14 +69,15 @@ def make_batch(seed):
     ]
     return process(executions, row_length=ROW, j_max=None, rows_per_micro_step=1)
 """
-shared: dict = {}
+shared: dict = {"DTYPE": "float32"}  # each test sets the model's dtype it runs
 exec(SETUP, shared)  # the same definitions as in the worker processes
 CELLS, MODEL, TRAIN = shared["CELLS"], shared["MODEL"], shared["TRAIN"]
 PLAN, MID_STEP_JOIN = shared["PLAN"], shared["MID_STEP_JOIN"]
 make_batch = shared["make_batch"]
 
 WORKER = (
-    SETUP
+    "import sys\nDTYPE = sys.argv[4]\n"
+    + SETUP
     + """
 import json, sys, time
 import jax
@@ -127,9 +131,17 @@ if process_id == 0:
             "version": report.version, "joins": [j.cell for j in report.joins],
         })
         flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]
-        arrays.update({f"params{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in flat})
+        # (as float32: exact for bfloat16 weights, which np.savez cannot store)
+        arrays.update(
+            {f"params{step}/{jax.tree_util.keystr(k)}": np.float32(v) for k, v in flat}
+        )
         grads = jax.tree_util.tree_flatten_with_path(trainer.last_grads)[0]
         arrays.update({f"grads{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in grads})
+        if trainer.master is not None:  # float32 masters beside a bfloat16 model
+            masters = jax.tree_util.tree_flatten_with_path(trainer.master)[0]
+            arrays.update(
+                {f"master{step}/{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in masters}
+            )
     trainer.stop()
     np.savez(f"{out}/process0.npz", **arrays)
 else:
@@ -149,12 +161,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(out) -> None:
+def run_two_processes(out, dtype: str = "float32") -> None:
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(i), str(port), str(out)],
+            [sys.executable, "-c", WORKER, str(i), str(port), str(out), dtype],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -195,8 +207,11 @@ def plain_gradient_sum(trainer: ElasticTrainer, batch) -> dict[str, np.ndarray]:
     return flat(acc)
 
 
-def test_two_processes_train_like_one(tmp_path):
-    run_two_processes(tmp_path)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_processes_train_like_one(tmp_path, dtype):
+    """With a bfloat16 model the core keeps float32 masters (train.master_dtype): the
+    satellites of both processes pull the masters cast down, and the masters match."""
+    run_two_processes(tmp_path, dtype)
     got = np.load(tmp_path / "process0.npz")
     leader = json.loads((tmp_path / "process0.json").read_text())
     follower = json.loads((tmp_path / "process1.json").read_text())
@@ -204,7 +219,9 @@ def test_two_processes_train_like_one(tmp_path):
     # The reference: one process, the core cell alone (tests/test_trainer.py shows that
     # satellites in one process change nothing), and for the gradients a plain loop.
     cells = split_into_cells(CellsConfig(**CELLS))  # this process: the same 8 devices
-    single = ElasticTrainer(init_model(MODEL), cells[0], rl=RLConfig(), train=TRAIN)
+    model = init_model(dataclasses.replace(MODEL, dtype=dtype))
+    single = ElasticTrainer(model, cells[0], rl=RLConfig(), train=TRAIN)
+    assert (single.master is not None) is (dtype == "bfloat16")
     for step, training in enumerate(PLAN):
         batch = make_batch(step)
         want_grads = plain_gradient_sum(single, batch)
@@ -221,6 +238,14 @@ def test_two_processes_train_like_one(tmp_path):
             assert_close(got[f"grads{step}/{name}"], want, f"step {step} gradient {name}")
         for name, want in flat(single.params).items():
             assert_close(got[f"params{step}/{name}"], want, f"step {step} weights {name}")
+        masters = flat(single.master) if single.master is not None else {}
+        for name, want in masters.items():
+            assert_close(got[f"master{step}/{name}"], want, f"step {step} master {name}")
+            # the weights every cell trains with are the masters cast down
+            down = np.float32(want.astype(jnp.bfloat16))
+            np.testing.assert_array_equal(got[f"params{step}/{name}"], down, err_msg=name)
+    saved = [k for k in got.files if k.startswith("master")]
+    assert len(saved) == len(masters) * len(PLAN) and (len(saved) > 0) is (dtype == "bfloat16")
 
     # Process 1 took part in the steps that had its cells, pulling the weights by a
     # collective at a step boundary and from a snapshot mid-step, and never recompiled
