@@ -305,9 +305,10 @@ def fair(pool, cfg, report: dict) -> None:
                 )
                 start = time.perf_counter()
                 rows = tune(pool, sim, cfg.fair)
-                limits = [
-                    gate_limit_h(dict(vars(sim), seed=s), cfg.fair.cadences) for s in cfg.fair.seeds
-                ]
+                limits = pool.starmap(
+                    gate_limit_h,
+                    [(dict(vars(sim), seed=s), cfg.fair.cadences) for s in cfg.fair.seeds],
+                )
                 entry = {
                     "policies": rows,
                     "gate_limit_estimate_h": float(np.mean(limits)),

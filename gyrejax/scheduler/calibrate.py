@@ -162,7 +162,7 @@ def read_run(workdir: Path) -> dict:
     total = sum(cell_s.values()) or 1.0
     rows = read_jsonl(workdir / "metrics.jsonl")
     steps = [s for s in rows if not s.get("skipped")]
-    # Runs from before the summary had it: one process, every row its own.
+    # Runs from before the summary had it (not resumed: every row timed by one clock).
     spans = [(r["time_s"] - r["step_s"], r["time_s"]) for r in rows]
     trainer_s = summary.get("trainer_s") or trainer_time(spans, summary["wall_s"])
     return {

@@ -74,8 +74,8 @@ TRAINER_TIME = ("before_first_step", "training", "between_steps", "after_last_st
 def trainer_time(steps: Sequence[tuple[float, float]], end: float) -> dict[str, float]:
     """A run's wall time from the trainer's side (`TRAINER_TIME`): before its first step,
     in steps, between steps, after the last one. Steps run one at a time, so the four
-    sum to `end`. More training cells shorten "training"; no policy shortens the time
-    the trainer waits for data under the gate, and that waiting shows "between_steps".
+    sum to `end`. More training cells shorten "training" alone; the time the trainer
+    waits for data (rollout, the gate) shows before and between its steps.
 
     Args:
       steps: (start, end) of each step, in order, in seconds (or any one unit).
