@@ -134,11 +134,13 @@ def run_one(job: tuple[dict, str, dict]) -> dict:
     return {**result.summary(), "setting": setting}
 
 
-def gate_limit_h(fields: dict, cadences) -> float:
-    """The gate's limit, an estimate (not a bound): async with unlimited slots and cells,
-    free training and switches, dispatching as deep as the gate allows, at its best
-    cadence among `cadences` (those <= S + 1): at mu = 1 alone the estimate was beaten,
-    since the mixed workload at S = 2 and 4 runs best at mu = 2 for every policy."""
+def gate_limit_h(job: tuple[dict, tuple[int, ...]]) -> float:
+    """(SimConfig fields, cadences) -> the gate's limit (a job of the worker pool), an
+    estimate, not a bound: async with unlimited slots and cells, free training and
+    switches, dispatching as deep as the gate allows, at its best cadence among the
+    cadences (those <= S + 1): at mu = 1 alone the estimate was beaten, since the mixed
+    workload at S = 2 and 4 runs best at mu = 2 for every policy."""
+    fields, cadences = job
     sim = SimConfig(**fields)
     free = sim.replace(
         cells=sim.cells * 64,
@@ -305,7 +307,7 @@ def fair(pool, cfg, report: dict) -> None:
                 )
                 start = time.perf_counter()
                 rows = tune(pool, sim, cfg.fair)
-                limits = pool.starmap(
+                limits = pool.map(
                     gate_limit_h,
                     [(dict(vars(sim), seed=s), cfg.fair.cadences) for s in cfg.fair.seeds],
                 )
