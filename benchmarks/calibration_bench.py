@@ -16,7 +16,10 @@ run (the ten standard variants and any other run there, e.g. those of
 async and elastic runs, which ran under heavy external load). The prediction is the
 median over seeds; each run is also checked against the 10-90% band of its predicted wall
 times (`calibrate.predicted_band`): one run is one draw, and where tool calls make the
-tail set the makespan, that band is wider than +-10%. About 25 s per fit on one core.
+tail set the makespan, that band is wider than +-10%. Then, per fit, each run's wall from
+the trainer's side predicted beside measured (`calibrate.predicted_trainer_time`, the
+runs' `trainer_s`): whether a miss is in the training or in the waiting for data. About
+25 s per fit on one core.
 """
 
 from __future__ import annotations
@@ -77,8 +80,15 @@ def main() -> None:
             }
             scored = [n for n in names if n != source and f"{regime}/{n}" not in excluded]
             errors = [abs(ratios[n] - 1) for n in scored]
+            # Where a miss comes from: the training, or the waiting for data around it.
+            trainer = {
+                name: {"predicted_s": calibrate.predicted_trainer_time(fit, run)}
+                | {"measured_s": run["trainer_s"]}
+                for name, run in runs.items()
+            }
             report[f"{regime}/{source}"] = {
                 "ratios": ratios,
+                "trainer": trainer,
                 "bands_s": bands,
                 "measured_in_band": inside,
                 "max_error": max(errors),
@@ -114,6 +124,15 @@ def main() -> None:
         + " |"
     )
     print("\n(median predicted / measured; * = measured outside the 10-90% band over seeds)")
+    parts = ("before_first_step", "training", "between_steps")
+    for key, r in report.items():
+        print(f"\n{key} fit: the wall from the trainer's side, predicted / measured s")
+        print("| run | " + " | ".join(parts) + " |")
+        print("|---|" + "---|" * len(parts))
+        for name, t in r["trainer"].items():
+            got, want = t["predicted_s"], t["measured_s"]
+            cells = " | ".join(f"{got[k]:.1f} / {want[k]:.1f}" for k in parts)
+            print(f"| {name} | {cells} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
 

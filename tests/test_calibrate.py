@@ -120,6 +120,14 @@ def test_the_predicted_band_holds_most_runs_of_the_same_configuration(tmp_path):
     others = [simulate(truth.replace(seed=s), "elastic").makespan_s for s in range(10, 20)]
     inside = sum(low <= m + fit.startup_s + fit.shutdown_s <= high for m in others)
     assert inside >= 6, (low, high, others)
+    # The wall from the trainer's side, predicted: on one seed its parts sum to that
+    # seed's predicted wall; over the seeds its training is the run's own within 2% (the
+    # fit recovers the steps' tokens and the cost per token).
+    one = calibrate.predicted_trainer_time(fit, run, seeds=(3,))
+    assert sum(one.values()) == pytest.approx(calibrate.predicted_walls(fit, run, (3,))[0])
+    median = calibrate.predicted_trainer_time(fit, run)
+    assert median["training"] == pytest.approx(run["trainer_s"]["training"], rel=0.02)
+    assert median["before_first_step"] >= fit.startup_s
 
 
 def test_a_torn_log_line_is_skipped_and_missing_logs_are_named(tmp_path):

@@ -62,7 +62,8 @@ tokens, prompt length and engines) and the steps' times:
     gaps one by one are bimodal: many calls follow one another with no tool call).
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model, on
 several seeds, and returns the median wall time; `predicted_band` the 10th-90th
-percentile range over the seeds (how much one run may differ from the next).
+percentile range over the seeds (how much one run may differ from the next);
+`predicted_trainer_time` the median of each part of the wall from the trainer's side.
 `write_run_logs` writes a simulated run's logs in the runtime's format, so a test can
 check that fitting recovers known parameters.
 
@@ -781,20 +782,38 @@ def schedule_options(schedule: dict) -> dict:
     return options
 
 
-def predicted_walls(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> np.ndarray:
-    """`run`'s wall time (s; a `read_run` result: its policy and schedule) under the
-    fitted model, one per seed: startup + the simulated makespan + shutdown. Its split,
-    dispatch depth and (load model only: the plain one has no calls to measure it)
-    `slot_occupancy` are simulated as the run set them."""
+def predicted_runs(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> list[SimResult]:
+    """`run` (a `read_run` result: its policy and schedule) simulated under the fitted
+    model, one result per seed. Its split, dispatch depth and (load model only: the
+    plain one has no calls to measure it) `slot_occupancy` are simulated as the run set
+    them."""
     schedule = run["schedule"]
     sim = fit.sim.replace(**{k: schedule[k] for k in SCHEDULE_FIELDS})
     if sim.load_model:  # only its decode phases give a share of time in model calls
         sim = sim.replace(slot_occupancy=schedule.get("slot_occupancy", 0.0))
     options = schedule_options(schedule)
-    makespans = [
-        simulate(sim.replace(seed=s), schedule["policy"], **options).makespan_s for s in seeds
-    ]
+    return [simulate(sim.replace(seed=s), schedule["policy"], **options) for s in seeds]
+
+
+def predicted_walls(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> np.ndarray:
+    """`run`'s wall time (s) under the fitted model, one per seed: startup + the
+    simulated makespan + shutdown (`predicted_runs`)."""
+    makespans = [r.makespan_s for r in predicted_runs(fit, run, seeds)]
     return fit.startup_s + np.array(makespans) + fit.shutdown_s
+
+
+def predicted_trainer_time(
+    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS
+) -> dict[str, float]:
+    """`run`'s wall from the trainer's side under the fitted model (`driver.trainer_time`,
+    startup counted before the first step and shutdown after the last, as a real run's
+    `trainer_s`): each part's median over the seeds. Set beside the run's own, it says
+    whether the model misses its training or the time the trainer waits for data."""
+    parts = [r.trainer_time_s() for r in predicted_runs(fit, run, seeds)]
+    for part in parts:
+        part["before_first_step"] += fit.startup_s
+        part["after_last_step"] += fit.shutdown_s
+    return {k: float(np.median([p[k] for p in parts])) for k in parts[0]}
 
 
 def predict(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> float:
