@@ -72,7 +72,12 @@ def main() -> None:
         runs = {name: calibrate.read_run(root / regime / name) for name in names}
         for source in args.sources.split(","):
             fit = calibrate.fit_run(root / regime / source, load=True)
-            bands = {name: calibrate.predicted_band(fit, run) for name, run in runs.items()}
+            # Each run simulated once (on every seed): its band and its trainer's side.
+            sims = {name: calibrate.predicted_runs(fit, run) for name, run in runs.items()}
+            bands = {
+                name: calibrate.predicted_band(fit, run, results=sims[name])
+                for name, run in runs.items()
+            }
             ratios = {name: bands[name][1] / run["wall_s"] for name, run in runs.items()}
             inside = {
                 name: bands[name][0] <= run["wall_s"] <= bands[name][2]
@@ -82,8 +87,10 @@ def main() -> None:
             errors = [abs(ratios[n] - 1) for n in scored]
             # Where a miss comes from: the training, or the waiting for data around it.
             trainer = {
-                name: {"predicted_s": calibrate.predicted_trainer_time(fit, run)}
-                | {"measured_s": run["trainer_s"]}
+                name: {
+                    "predicted_s": calibrate.predicted_trainer_time(fit, run, results=sims[name]),
+                    "measured_s": run["trainer_s"],
+                }
                 for name, run in runs.items()
             }
             report[f"{regime}/{source}"] = {

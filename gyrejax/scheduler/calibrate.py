@@ -770,6 +770,7 @@ def _schedule_config(schedule: dict) -> SimConfig:
 
 
 PREDICT_SEEDS = tuple(range(9))
+Results = list[SimResult] | None  # simulations `predicted_runs` already made, or None
 
 
 def schedule_options(schedule: dict) -> dict:
@@ -795,21 +796,26 @@ def predicted_runs(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) 
     return [simulate(sim.replace(seed=s), schedule["policy"], **options) for s in seeds]
 
 
-def predicted_walls(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> np.ndarray:
+def predicted_walls(
+    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS, results: Results = None
+) -> np.ndarray:
     """`run`'s wall time (s) under the fitted model, one per seed: startup + the
-    simulated makespan + shutdown (`predicted_runs`)."""
-    makespans = [r.makespan_s for r in predicted_runs(fit, run, seeds)]
-    return fit.startup_s + np.array(makespans) + fit.shutdown_s
+    simulated makespan + shutdown. `results`: `predicted_runs`' simulations when the
+    caller has them (else they are run here)."""
+    results = results if results is not None else predicted_runs(fit, run, seeds)
+    return fit.startup_s + np.array([r.makespan_s for r in results]) + fit.shutdown_s
 
 
 def predicted_trainer_time(
-    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS
+    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS, results: Results = None
 ) -> dict[str, float]:
     """`run`'s wall from the trainer's side under the fitted model (`driver.trainer_time`,
     startup counted before the first step and shutdown after the last, as a real run's
     `trainer_s`): each part's median over the seeds. Set beside the run's own, it says
-    whether the model misses its training or the time the trainer waits for data."""
-    parts = [r.trainer_time_s() for r in predicted_runs(fit, run, seeds)]
+    whether the model misses its training or the time the trainer waits for data.
+    `results`: as `predicted_walls`."""
+    results = results if results is not None else predicted_runs(fit, run, seeds)
+    parts = [r.trainer_time_s() for r in results]
     for part in parts:
         part["before_first_step"] += fit.startup_s
         part["after_last_step"] += fit.shutdown_s
@@ -825,11 +831,13 @@ def predict(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> floa
 
 
 def predicted_band(
-    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS
+    fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS, results: Results = None
 ) -> tuple[float, float, float]:
     """(10th percentile, median, 90th percentile) of `predicted_walls`: the spread one
-    run of `run`'s configuration has under the model (seed to seed)."""
-    low, median, high = np.percentile(predicted_walls(fit, run, seeds), [10, 50, 90])
+    run of `run`'s configuration has under the model (seed to seed). `results`: as
+    `predicted_walls`."""
+    walls = predicted_walls(fit, run, seeds, results)
+    low, median, high = np.percentile(walls, [10, 50, 90])
     return float(low), float(median), float(high)
 
 
