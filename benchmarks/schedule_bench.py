@@ -10,6 +10,7 @@ Usage:
                                       [--real_occupancies X,...] [--real_only REGEX]
                                       [--real_flags=FLAGS] [--real_passes N]
                                       [--calibrate DIR|elastic] [--load_model]
+                                      [--cores_by DIR|NAME]
                                       [--reward_plot PATH]
 
 In the discrete-event simulator (gyrejax/scheduler/simulator.py; the model and its
@@ -43,7 +44,9 @@ real runs of all three policies (with --real: the ones just run); `--calibrate e
 fits each regime's elastic run and predicts the others of that regime out of sample;
 `--load_model` fits the simulator's load-dependent model (shared cores) instead (from
 records with prompt lengths, as the real runs': calls by work, context growth per call,
-compiles per context bucket; `benchmarks/calibration_bench.py` tabulates the errors).
+compiles per context bucket; `benchmarks/calibration_bench.py` tabulates the errors);
+`--cores_by` lets another run's wall choose that model's decode cores (a workdir, or with
+--real the name of a real run in each regime, e.g. "async(3) mu=1": one rollout engine).
 Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 `--real_processes 2` runs each real run as 2 processes of 4 devices, each pinned to a core
@@ -716,7 +719,11 @@ def calibrate_and_predict(args, real: dict | None) -> dict:
             source = elastic[1]["workdir"]
         else:
             source = args.calibrate
-        fit = calibrate.fit_run(Path(source), load=args.load_model)
+        cores_by = []
+        if args.cores_by:  # a real run of this regime by name, else a workdir
+            named = by_policy.get(args.cores_by)
+            cores_by = [Path(named["workdir"] if named else args.cores_by)]
+        fit = calibrate.fit_run(Path(source), load=args.load_model, cores_by=cores_by)
         out["fits"][regime or "all"] = {"source": source, **fit.summary()}
         print(f"\n### calibration from {source}\n")
         for k, v in fit.summary().items():
@@ -730,14 +737,18 @@ def calibrate_and_predict(args, real: dict | None) -> dict:
         print("|---|---|---|---|---|")
         for name, run in by_policy.items():
             low, predicted, high = calibrate.predicted_band(fit, run)
-            in_sample = run["workdir"] == str(Path(source))
+            in_sample = Path(run["workdir"]) in (Path(source), *cores_by)
             out["predictions"][f"{regime}/{name}"] = {
                 "measured_s": run["wall_s"],
                 "predicted_s": predicted,
                 "band_s": [low, high],
                 "in_sample": in_sample,
             }
-            label = f"{name} (fitted)" if in_sample else name
+            label = name
+            if Path(run["workdir"]) == Path(source):
+                label += " (fitted)"
+            elif in_sample:
+                label += " (its wall picked the cores)"
             ratio = predicted / run["wall_s"]
             print(
                 f"| {label} | {run['wall_s']:.0f} | {predicted:.0f} | {low:.0f}-{high:.0f} "
@@ -836,8 +847,18 @@ def main() -> None:
         action="store_true",
         help="--calibrate fits the simulator's load-dependent model (SimConfig.decode_cores)",
     )
+    parser.add_argument(
+        "--cores_by",
+        default=None,
+        help="with --load_model: a run (workdir, or a real run's name) whose wall picks the cores",
+    )
     parser.add_argument("--reward_plot", default="schedule_real_reward.png")
     args = parser.parse_args()
+    if args.cores_by and not (args.calibrate and args.load_model):
+        parser.error(
+            f"--cores_by {args.cores_by}: it picks the load model's cores, so it needs "
+            "--calibrate and --load_model"
+        )
     spec = args.config or ("configs/sim_paper.py:quick" if args.quick else "configs/sim_paper.py")
     cfg = load_config(spec)
     report = {"config": spec, "quick": args.quick}

@@ -312,6 +312,39 @@ def test_load_fit_recovers_fewer_calls_for_long_executions(tmp_path):
     assert calls.max() < make_trace(truth.replace(call_work_exponent=1.0)).calls.max()
 
 
+def test_the_walls_of_other_runs_choose_the_cores_one_run_cannot_tell(tmp_path):
+    # Engines that batch (per engine) on a host of 3.7 cores: with at most four engines
+    # and two training cores demanding at once, one elastic run's calls are explained
+    # about as well by one core as by 3.7, and its one-run fit predicts the other
+    # policies poorly. The wall of a run with one rollout engine (async, three training
+    # cells) chooses the cores; the fit then predicts runs it never saw.
+    truth = LOAD_TRUTH.replace(decode_cores=3.7, per_engine=True, batch_cost=0.3)
+    runs = {
+        "elastic": ("elastic", {}),
+        "async3": ("async", {"training_cells": 3}),
+        "async1": ("async", {"training_cells": 1}),
+        "colocate": ("colocate", {}),
+    }
+    for name, (policy, options) in runs.items():
+        result = simulate(truth, policy, **options)
+        calibrate.write_run_logs(truth, result, policy, tmp_path / name, 3.0, options)
+    measured = {name: calibrate.read_run(tmp_path / name) for name in runs}
+
+    def errors(fit):
+        return {n: calibrate.predict(fit, r) / r["wall_s"] - 1 for n, r in measured.items()}
+
+    alone = calibrate.fit_run(tmp_path / "elastic", load=True)
+    assert max(abs(e) for e in errors(alone).values()) > 0.2  # what the check is for
+    fit = calibrate.fit_run(tmp_path / "elastic", load=True, cores_by=[tmp_path / "async3"])
+    assert fit.cores_by == (str(tmp_path / "async3"),)
+    assert fit.summary()["cores_by"] == [str(tmp_path / "async3")]
+    assert fit.sim.decode_cores == pytest.approx(truth.decode_cores, rel=0.1)
+    got = errors(fit)
+    assert abs(got["async1"]) < 0.05 and abs(got["colocate"]) < 0.05, got  # out of sample
+    with pytest.raises(ValueError, match="cores_by chooses the load model's decode cores"):
+        calibrate.fit_run(tmp_path / "elastic", cores_by=[tmp_path / "async3"])
+
+
 def test_the_simulator_sizes_cells_from_the_share_in_calls_like_the_runtime(tmp_path):
     # Long tool calls: agents spend a small share of their wall time decoding, so with
     # slot_occupancy the capacity the policies see rises above the slots, to what

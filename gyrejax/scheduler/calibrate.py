@@ -60,6 +60,8 @@ tokens, prompt length and engines) and the steps' times:
     squares on its call index, up to its first compaction). The tool calls: sigma from
     the executions' mean gaps, the median such that the mean gap is the run's (the
     gaps one by one are bimodal: many calls follow one another with no tool call).
+`fit_run(workdir, load=True, cores_by=[other, ...])` lets other runs' walls choose the
+decode cores, which one run may not tell apart from what each call costs (`fit_run`).
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model, on
 several seeds, and returns the median wall time; `predicted_band` the 10th-90th
 percentile range over the seeds (how much one run may differ from the next);
@@ -75,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +111,7 @@ class Fit:
       train_residual_s: RMS error of the step-time fit.
       train_parallel_identified: False when every step ran on as many cells, so the run
         cannot tell data-parallel from shared-host training (shared host assumed).
+      cores_by: the runs whose walls chose the decode cores (`fit_run`), if any.
     """
 
     sim: SimConfig
@@ -115,6 +119,7 @@ class Fit:
     shutdown_s: float
     train_residual_s: float
     train_parallel_identified: bool = True
+    cores_by: tuple[str, ...] = ()
 
     def summary(self) -> dict:
         s = self.sim
@@ -150,6 +155,7 @@ class Fit:
             "to_rollout_s": s.to_rollout_s,
             "startup_s": self.startup_s,
             "shutdown_s": self.shutdown_s,
+            "cores_by": list(self.cores_by),
         }
 
 
@@ -543,8 +549,11 @@ def _fit_call_work(work: np.ndarray, calls: np.ndarray) -> tuple[float, float]:
     return best[1], best[2]
 
 
-def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
-    """The load model's parameters from a run's calls and steps (module docstring)."""
+def fit_load(
+    workdir: Path, calls: list[dict], steps: list[dict], cores_grid: tuple[float, ...] = CORES_GRID
+) -> dict:
+    """The load model's parameters from a run's calls and steps (module docstring), the
+    decode cores searched over `cores_grid` (and a finer grid around the best)."""
     tokens = np.array([c["tokens"] for c in calls], dtype=float)
     waited, first = _compile_calls(calls)
     # Calls that waited for a compilation or moved between engines (their batch is two
@@ -580,7 +589,7 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
 
     best = None
     for per_engine in (False, True):
-        for cores in CORES_GRID:
+        for cores in cores_grid:
             for train_cores in TRAIN_CORES_GRID:
                 got = evaluate(cores, train_cores, per_engine, BATCH_COST_GRID)
                 if best is None or got[0] < best[0] - 1e-12:
@@ -591,7 +600,7 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         got = evaluate(float(cores), best[2], best[3], fine_costs)
         if got[0] < best[0] - 1e-12:
             best = got
-    _, cores, train_cores, per_engine, batch_cost, coef, call_work, step_work = best
+    misfit, cores, train_cores, per_engine, batch_cost, coef, call_work, step_work = best
     predicted = design @ coef  # a call's work alone on its engine
     # Each call's work alone on its engine: measured; a call that waited for its
     # engine's compilation gets its modelled work instead.
@@ -706,12 +715,35 @@ def fit_load(workdir: Path, calls: list[dict], steps: list[dict]) -> dict:
         **context,
         "residual": residual,
         "identified": parallel is not None,
+        "misfit": misfit,
     }
 
 
-def fit_run(workdir: Path, load: bool = False) -> Fit:
+# The decode cores tried when other runs' walls choose them: every third point of
+# CORES_GRID (a factor 1.19 apart), each refined by fit_load's finer grid.
+CORES_BY_WALL_GRID = CORES_GRID[::3]
+# Only fits that explain the calls' and steps' costs nearly as well as the best compete
+# (misfit within 20% of it): a wall alone, one draw with tool calls in it, would
+# otherwise push the cores to wherever they absorb the model's other errors.
+CORES_BY_WALL_TOLERANCE = 0.2
+
+
+def fit_run(workdir: Path, load: bool = False, cores_by: Sequence[Path] = ()) -> Fit:
     """Fits the simulator's model to the run in `workdir` (module docstring); `load`:
-    its load-dependent model."""
+    its load-dependent model.
+
+    `cores_by` (load model only): other finished runs on the same host (another policy
+    or split), whose walls choose the decode cores. One run where about as many engines
+    decode at every moment cannot tell well how many computations the host runs at full
+    speed (`decode_cores`) from what each costs: its calls may be explained about as
+    well by one core as by four, yet a run with a single engine would have the whole
+    host under the first and a quarter of it under the second. So the load model is
+    fitted at each of `CORES_BY_WALL_GRID` (everything else fitted anew at those
+    cores); among the fits whose misfit of the calls' and steps' costs is within
+    `CORES_BY_WALL_TOLERANCE` of the least, the one whose predicted walls (`predict`) of
+    the runs in `cores_by` are closest to theirs (the least sum of squared log ratios)
+    is kept, of equals the fewest cores. Those runs are then in sample.
+    """
     workdir = Path(workdir)
     run = read_run(workdir)
     schedule = run["schedule"]
@@ -745,11 +777,31 @@ def fit_run(workdir: Path, load: bool = False) -> Fit:
         to_rollout_s=float(np.mean(to_rollout)) if to_rollout else 0.0,
         executions_hold_slots=False,
     )
-    if load:
-        fitted = fit_load(workdir, read_calls(workdir), steps)
+    if not load:
+        if cores_by:
+            raise ValueError("cores_by chooses the load model's decode cores: pass load=True")
+        return Fit(sim, startup, shutdown, residual, parallel is not None)
+    calls = read_calls(workdir)
+
+    def load_fit(cores_grid: tuple[float, ...]) -> tuple[Fit, float]:
+        """(the fit, its misfit of the calls' and steps' costs)."""
+        fitted = fit_load(workdir, calls, steps, cores_grid)
         residual, identified = fitted.pop("residual"), fitted.pop("identified")
-        return Fit(sim.replace(**fitted), startup, shutdown, residual, identified)
-    return Fit(sim, startup, shutdown, residual, parallel is not None)
+        misfit = fitted.pop("misfit")
+        return Fit(sim.replace(**fitted), startup, shutdown, residual, identified), misfit
+
+    if not cores_by:
+        return load_fit(CORES_GRID)[0]
+    checks = [read_run(d) for d in cores_by]
+
+    def wall_error(fit: Fit) -> float:
+        return sum(float(np.log(predict(fit, r) / r["wall_s"])) ** 2 for r in checks)
+
+    fits = [load_fit((cores,)) for cores in CORES_BY_WALL_GRID]
+    least = min(misfit for _, misfit in fits)
+    plausible = [fit for fit, misfit in fits if misfit <= (1 + CORES_BY_WALL_TOLERANCE) * least]
+    best = min(plausible, key=wall_error)  # the first of equals: the fewest cores
+    return dataclasses.replace(best, cores_by=tuple(str(d) for d in cores_by))
 
 
 SCHEDULE_FIELDS = (
