@@ -21,8 +21,9 @@ tail set the makespan, that band is wider than +-10%. Then, per fit, each run's 
 the trainer's side predicted beside measured (`calibrate.predicted_trainer_time`, the
 runs' `trainer_s`): whether a miss is in the training or in the waiting for data. About
 25 s per fit on one core. `--cores_by RUN` lets that run of each regime (e.g. async(3): one
-rollout engine) choose each fit's decode cores by its wall (`calibrate.fit_run`'s
-`cores_by`); it is then in sample too, left out of the errors like the source.
+rollout engine) choose each fit's cores and training demand by its wall
+(`calibrate.fit_run`'s `cores_by`; about a minute per fit); it is then in sample too,
+left out of the errors like the source.
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ fits each regime's elastic run and predicts the others of that regime out of sam
 `--load_model` fits the simulator's load-dependent model (shared cores) instead (from
 records with prompt lengths, as the real runs': calls by work, context growth per call,
 compiles per context bucket; `benchmarks/calibration_bench.py` tabulates the errors);
-`--cores_by` lets another run's wall choose that model's decode cores (a workdir, or with
---real the name of a real run in each regime, e.g. "async(3) mu=1": one rollout engine).
+`--cores_by` lets another run's wall choose that model's cores and training demand (a
+workdir, or with --real the name of a real run in each regime, e.g. "async(3) mu=1": one
+rollout engine).
 Every real run's log is its workdir's launch.log; runs already finished in
 `--real_workdir` are read back, so an interrupted benchmark goes on where it stopped.
 `--real_processes 2` runs each real run as 2 processes of 4 devices, each pinned to a core

@@ -61,7 +61,9 @@ tokens, prompt length and engines) and the steps' times:
     the executions' mean gaps, the median such that the mean gap is the run's (the
     gaps one by one are bimodal: many calls follow one another with no tool call).
 `fit_run(workdir, load=True, cores_by=[other, ...])` lets other runs' walls choose the
-decode cores, which one run may not tell apart from what each call costs (`fit_run`).
+host's cores and the training's demand on them, which one run may not show (`fit_run`).
+The costs (a call's prefill and per token, a step's overhead and per token) are
+least-squares fits with coefficients >= 0 (`_nonnegative_lstsq`).
 `predict(fit, run)` simulates another run's policy and schedule under the fitted model, on
 several seeds, and returns the median wall time; `predicted_band` the 10th-90th
 percentile range over the seeds (how much one run may differ from the next);
@@ -253,6 +255,25 @@ def _lognormal(values: np.ndarray) -> tuple[float, float]:
     return float(np.exp(q50)), float((q75 - q25) / IQR_PER_SIGMA)
 
 
+def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """The coefficients >= 0 of the least squares `design @ coef ~ target` (exact, over
+    every subset of the design's few columns). Clipping a free fit's negative
+    coefficient to zero is not that: the others must be fitted again without it (a
+    negative slope clipped leaves the intercept where the slope had lifted it)."""
+    best, best_sse = np.zeros(design.shape[1]), float(np.sum(target**2))
+    for k in range(1, design.shape[1] + 1):
+        for kept in itertools.combinations(range(design.shape[1]), k):
+            sub, *_ = np.linalg.lstsq(design[:, kept], target, rcond=None)
+            if np.any(sub < 0):
+                continue
+            coef = np.zeros(design.shape[1])
+            coef[list(kept)] = sub
+            sse = float(np.sum((design @ coef - target) ** 2))
+            if sse < best_sse - 1e-12 * max(best_sse, 1.0):
+                best, best_sse = coef, sse
+    return best
+
+
 def _fit_steps(steps: list[dict]) -> tuple[float, float, bool | None, float]:
     """(seconds per token, overhead s, parallel, RMS residual s) of step_s = overhead +
     tokens * s_per_token (/ cells when parallel), the better of the two fits.
@@ -271,8 +292,7 @@ def _fit_steps(steps: list[dict]) -> tuple[float, float, bool | None, float]:
     for parallel in (False, True):  # on a tie (one width), the shared host
         x = tokens / cells if parallel else tokens
         design = np.stack([x, np.ones_like(x)], axis=1)
-        (per_token, overhead), *_ = np.linalg.lstsq(design, seconds, rcond=None)
-        per_token, overhead = max(float(per_token), 0.0), max(float(overhead), 0.0)
+        per_token, overhead = (float(v) for v in _nonnegative_lstsq(design, seconds))
         residual = float(np.sqrt(np.mean((overhead + per_token * x - seconds) ** 2)))
         if best is None or residual < best[3] - 1e-12:
             best = (per_token, overhead, parallel, residual)
@@ -377,8 +397,7 @@ def _shared_work(
 
 def _log_lstsq(design: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, float]:
     """(coefficients >= 0, mean squared log error) of work ~ design @ coefficients."""
-    coef, *_ = np.linalg.lstsq(design, work, rcond=None)
-    coef = np.maximum(coef, 0.0)
+    coef = _nonnegative_lstsq(design, work)
     predicted = np.maximum(design @ coef, 1e-9)
     return coef, float(np.mean(np.log(np.maximum(work, 1e-9) / predicted) ** 2))
 
@@ -550,10 +569,15 @@ def _fit_call_work(work: np.ndarray, calls: np.ndarray) -> tuple[float, float]:
 
 
 def fit_load(
-    workdir: Path, calls: list[dict], steps: list[dict], cores_grid: tuple[float, ...] = CORES_GRID
+    workdir: Path,
+    calls: list[dict],
+    steps: list[dict],
+    cores_grid: tuple[float, ...] = CORES_GRID,
+    train_cores_grid: tuple[float, ...] = TRAIN_CORES_GRID,
 ) -> dict:
     """The load model's parameters from a run's calls and steps (module docstring), the
-    decode cores searched over `cores_grid` (and a finer grid around the best)."""
+    decode cores searched over `cores_grid` (and a finer grid around the best), the
+    training's demand over `train_cores_grid`."""
     tokens = np.array([c["tokens"] for c in calls], dtype=float)
     waited, first = _compile_calls(calls)
     # Calls that waited for a compilation or moved between engines (their batch is two
@@ -590,7 +614,7 @@ def fit_load(
     best = None
     for per_engine in (False, True):
         for cores in cores_grid:
-            for train_cores in TRAIN_CORES_GRID:
+            for train_cores in train_cores_grid:
                 got = evaluate(cores, train_cores, per_engine, BATCH_COST_GRID)
                 if best is None or got[0] < best[0] - 1e-12:
                     best = got
@@ -719,9 +743,12 @@ def fit_load(
     }
 
 
-# The decode cores tried when other runs' walls choose them: every third point of
-# CORES_GRID (a factor 1.19 apart), each refined by fit_load's finer grid.
-CORES_BY_WALL_GRID = CORES_GRID[::3]
+# The decode cores and training demands tried when other runs' walls choose them: the
+# cores a factor 2 apart (every sixth point of CORES_GRID, each refined by fit_load's
+# finer grid), the demands likewise: 63 fits, the plausible ones (below) each predicting
+# the runs given.
+CORES_BY_WALL_GRID = CORES_GRID[::6]
+TRAIN_CORES_BY_WALL_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 # Only fits that explain the calls' and steps' costs nearly as well as the best compete
 # (misfit within 20% of it): a wall alone, one draw with tool calls in it, would
 # otherwise push the cores to wherever they absorb the model's other errors.
@@ -733,16 +760,18 @@ def fit_run(workdir: Path, load: bool = False, cores_by: Sequence[Path] = ()) ->
     its load-dependent model.
 
     `cores_by` (load model only): other finished runs on the same host (another policy
-    or split), whose walls choose the decode cores. One run where about as many engines
-    decode at every moment cannot tell well how many computations the host runs at full
-    speed (`decode_cores`) from what each costs: its calls may be explained about as
-    well by one core as by four, yet a run with a single engine would have the whole
-    host under the first and a quarter of it under the second. So the load model is
-    fitted at each of `CORES_BY_WALL_GRID` (everything else fitted anew at those
-    cores); among the fits whose misfit of the calls' and steps' costs is within
+    or split), whose walls choose what one run may not tell: how many computations the
+    host runs at full speed (`decode_cores`) and how much a training step demands of
+    them (`train_cores`). A run where about as many engines decode at every moment
+    explains its calls about as well with one core as with four, yet a run with a single
+    engine would have the whole host under the first and a quarter of it under the
+    second; under colocate no call decodes beside a step, so nothing shows how much a
+    step slows the engines. So the load model is fitted at each pair of
+    `CORES_BY_WALL_GRID` and `TRAIN_CORES_BY_WALL_GRID` (everything else fitted anew
+    there); among the fits whose misfit of the calls' and steps' costs is within
     `CORES_BY_WALL_TOLERANCE` of the least, the one whose predicted walls (`predict`) of
     the runs in `cores_by` are closest to theirs (the least sum of squared log ratios)
-    is kept, of equals the fewest cores. Those runs are then in sample.
+    is kept, of equals the first (the fewest cores). Those runs are then in sample.
     """
     workdir = Path(workdir)
     run = read_run(workdir)
@@ -783,9 +812,11 @@ def fit_run(workdir: Path, load: bool = False, cores_by: Sequence[Path] = ()) ->
         return Fit(sim, startup, shutdown, residual, parallel is not None)
     calls = read_calls(workdir)
 
-    def load_fit(cores_grid: tuple[float, ...]) -> tuple[Fit, float]:
+    def load_fit(
+        cores_grid: tuple[float, ...], train_cores_grid=TRAIN_CORES_GRID
+    ) -> tuple[Fit, float]:
         """(the fit, its misfit of the calls' and steps' costs)."""
-        fitted = fit_load(workdir, calls, steps, cores_grid)
+        fitted = fit_load(workdir, calls, steps, cores_grid, train_cores_grid)
         residual, identified = fitted.pop("residual"), fitted.pop("identified")
         misfit = fitted.pop("misfit")
         return Fit(sim.replace(**fitted), startup, shutdown, residual, identified), misfit
@@ -797,7 +828,7 @@ def fit_run(workdir: Path, load: bool = False, cores_by: Sequence[Path] = ()) ->
     def wall_error(fit: Fit) -> float:
         return sum(float(np.log(predict(fit, r) / r["wall_s"])) ** 2 for r in checks)
 
-    fits = [load_fit((cores,)) for cores in CORES_BY_WALL_GRID]
+    fits = [load_fit((c,), (t,)) for c in CORES_BY_WALL_GRID for t in TRAIN_CORES_BY_WALL_GRID]
     least = min(misfit for _, misfit in fits)
     plausible = [fit for fit, misfit in fits if misfit <= (1 + CORES_BY_WALL_TOLERANCE) * least]
     best = min(plausible, key=wall_error)  # the first of equals: the fewest cores
