@@ -367,7 +367,7 @@ def test_the_walls_of_other_runs_choose_the_cores_one_run_cannot_tell(tmp_path):
     assert alone.sim.decode_cores < 2.5 < fit.sim.decode_cores
     got = errors(fit)
     assert abs(got["async1"]) < 0.05 and abs(got["colocate"]) < 0.05, got  # out of sample
-    with pytest.raises(ValueError, match="cores_by chooses the load model's decode cores"):
+    with pytest.raises(ValueError, match="cores_by chooses the load model's cores and demand"):
         calibrate.fit_run(tmp_path / "elastic", cores_by=[tmp_path / "async3"])
 
 

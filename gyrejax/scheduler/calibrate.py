@@ -113,7 +113,8 @@ class Fit:
       train_residual_s: RMS error of the step-time fit.
       train_parallel_identified: False when every step ran on as many cells, so the run
         cannot tell data-parallel from shared-host training (shared host assumed).
-      cores_by: the runs whose walls chose the decode cores (`fit_run`), if any.
+      cores_by: the runs whose walls chose the decode cores and the training's demand
+        (`fit_run`), if any.
     """
 
     sim: SimConfig
@@ -808,12 +809,12 @@ def fit_run(workdir: Path, load: bool = False, cores_by: Sequence[Path] = ()) ->
     )
     if not load:
         if cores_by:
-            raise ValueError("cores_by chooses the load model's decode cores: pass load=True")
+            raise ValueError("cores_by chooses the load model's cores and demand: pass load=True")
         return Fit(sim, startup, shutdown, residual, parallel is not None)
     calls = read_calls(workdir)
 
     def load_fit(
-        cores_grid: tuple[float, ...], train_cores_grid=TRAIN_CORES_GRID
+        cores_grid: tuple[float, ...], train_cores_grid: tuple[float, ...] = TRAIN_CORES_GRID
     ) -> tuple[Fit, float]:
         """(the fit, its misfit of the calls' and steps' costs)."""
         fitted = fit_load(workdir, calls, steps, cores_grid, train_cores_grid)
@@ -829,8 +830,9 @@ def fit_run(workdir: Path, load: bool = False, cores_by: Sequence[Path] = ()) ->
         return sum(float(np.log(predict(fit, r) / r["wall_s"])) ** 2 for r in checks)
 
     fits = [load_fit((c,), (t,)) for c in CORES_BY_WALL_GRID for t in TRAIN_CORES_BY_WALL_GRID]
-    least = min(misfit for _, misfit in fits)
-    plausible = [fit for fit, misfit in fits if misfit <= (1 + CORES_BY_WALL_TOLERANCE) * least]
+    # (+ 1e-12: a simulated log's exact fits have misfits of 0 give or take rounding)
+    most = (1 + CORES_BY_WALL_TOLERANCE) * min(misfit for _, misfit in fits) + 1e-12
+    plausible = [fit for fit, misfit in fits if misfit <= most]
     best = min(plausible, key=wall_error)  # the first of equals: the fewest cores
     return dataclasses.replace(best, cores_by=tuple(str(d) for d in cores_by))
 
