@@ -26,7 +26,7 @@ from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.logs import append_jsonl, mark, read_jsonl
 from gyrejax.loop.context import RunContext
 from gyrejax.scheduler import plots
-from gyrejax.scheduler.driver import trainer_time
+from gyrejax.scheduler.driver import logged_trainer_time
 from gyrejax.scheduler.policies import IDLE_CAUSES, Role
 from gyrejax.train.trainer import StepReport
 from gyrejax.trajectory import PackedBatch
@@ -210,14 +210,7 @@ def write_summary(
         # The wall time from the trainer's side: before its first step, in steps (the
         # trainer's step_s), between steps (packing, checkpoints, publication and waiting
         # for data), after the last; they sum to wall_s.
-        "trainer_s": trainer_time(
-            [
-                (r["time_s"] - r["step_s"], r["time_s"])
-                for r in records
-                if r.get("step", -1) > resumed_at
-            ],
-            wall_s,
-        ),
+        "trainer_s": logged_trainer_time(records, wall_s, after_step=resumed_at),
         "over_stale": over_stale,
         "schedule": schedule_fields(config, len(ctx.cells)),
         # Which sandbox ran agent code; without bubblewrap it says it is no boundary.

@@ -85,7 +85,7 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.logs import read_jsonl
-from gyrejax.scheduler.driver import trainer_time
+from gyrejax.scheduler.driver import logged_trainer_time
 from gyrejax.scheduler.simulator import (
     SMALLEST_BUCKET_LOG2,
     SimConfig,
@@ -173,8 +173,7 @@ def read_run(workdir: Path) -> dict:
     rows = read_jsonl(workdir / "metrics.jsonl")
     steps = [s for s in rows if not s.get("skipped")]
     # Runs from before the summary had it (not resumed: every row timed by one clock).
-    spans = [(r["time_s"] - r["step_s"], r["time_s"]) for r in rows]
-    trainer_s = summary.get("trainer_s") or trainer_time(spans, summary["wall_s"])
+    trainer_s = summary.get("trainer_s") or logged_trainer_time(rows, summary["wall_s"])
     return {
         "workdir": str(workdir),
         "wall_s": summary["wall_s"],
@@ -261,8 +260,11 @@ def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     every subset of the design's few columns). Clipping a free fit's negative
     coefficient to zero is not that: the others must be fitted again without it (a
     negative slope clipped leaves the intercept where the slope had lifted it)."""
+    free, *_ = np.linalg.lstsq(design, target, rcond=None)
+    if np.all(free >= 0):  # the unconstrained optimum is feasible (the usual case)
+        return free
     best, best_sse = np.zeros(design.shape[1]), float(np.sum(target**2))
-    for k in range(1, design.shape[1] + 1):
+    for k in range(1, design.shape[1]):
         for kept in itertools.combinations(range(design.shape[1]), k):
             sub, *_ = np.linalg.lstsq(design[:, kept], target, rcond=None)
             if np.any(sub < 0):

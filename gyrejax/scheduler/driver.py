@@ -92,6 +92,14 @@ def trainer_time(steps: Sequence[tuple[float, float]], end: float) -> dict[str, 
     }
 
 
+def logged_trainer_time(rows: Sequence[dict], end: float, after_step: int = 0) -> dict:
+    """`trainer_time` of the steps a run logged (`metrics.jsonl` rows: each step ends at
+    `time_s`, `step_s` after it began), those after step `after_step` only (a resumed
+    process's own: earlier rows were timed by an earlier process's clock)."""
+    spans = [(r["time_s"] - r["step_s"], r["time_s"]) for r in rows if r["step"] > after_step]
+    return trainer_time(spans, end)
+
+
 class GenerationShare:
     """The share of the last `window` finished executions' wall time spent in model calls
     (what `capacity_from_share` sizes a rollout cell from; the runtime and the simulator
