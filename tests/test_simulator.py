@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -537,7 +538,7 @@ def test_elastic_options_reach_the_simulator():
     assert max(plain.max_staleness, tuned.max_staleness) <= 3
 
 
-def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
+def _schedule_bench():
     import importlib.util
     from pathlib import Path
 
@@ -545,6 +546,15 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     spec = importlib.util.spec_from_file_location("schedule_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+class _SerialPool:  # the benchmark's process pool, in this process
+    map = staticmethod(lambda f, jobs: list(map(f, jobs)))
+
+
+def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
+    bench = _schedule_bench()
     cfg = bench.load_config("configs/sim_paper.py:quick")
     cfg.sim.update(
         steps=4,
@@ -557,11 +567,8 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     )
     cfg.fair.update(shapes=((3, 2),), gates=(1, 2), seeds=(0, 1), workloads=("static",))
 
-    class Serial:  # the benchmark's process pool, in this process
-        map = staticmethod(lambda f, jobs: list(map(f, jobs)))
-
     report = {}
-    bench.fair(Serial(), cfg, report)
+    bench.fair(_SerialPool(), cfg, report)
     entry = report["static 3x2"][2]
     rows = entry["policies"]
     # Async is swept over every split and both dispatch rules, at every cadence <= S + 1.
@@ -634,6 +641,42 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "elastic vs the better baseline: 0.91x" in out and "colocate" not in out
     assert "| 6.5, 4.5, 18.7, 0.3 |" in out  # the trainer's side of the wall
+
+
+def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split():
+    bench = _schedule_bench()
+    sim = SimConfig(cells=6, capacity=4, group_size=4, groups_per_step=2, steps=8, mu=1)
+    sim = sim.replace(max_staleness=2, train_s_per_token=2e-2, tokens_mean=2e4)
+    setting = {"mu": 1, "phi": 0, "lookahead": "gate", "training_cells": 2}
+    # One split for the whole run is async itself (the policy, an independent reference).
+    for seed in (0, 1):
+        seeded = sim.replace(seed=seed)
+        trace = make_trace(seeded)
+        reference = simulate(seeded, "async", trace, training_cells=2, lookahead="gate")
+        phased = bench.run_phased((dict(vars(seeded)), setting, (2, 2, 2, 2)))
+        assert phased == pytest.approx(reference.makespan_s / HOUR, rel=1e-12)
+    # A split that shrinks returns cells to rollout: 3 cells train, then 1.
+    result = Simulator(sim, bench.PhasedSplit((3, 1), sim.steps, "gate"), make_trace(sim)).run()
+    roles = {}
+    for _, cell, role in result.timeline:
+        roles[cell] = role
+    assert roles[0] == "training" and roles[1] == roles[2] == "rollout"
+    assert any(c == 2 and r == "training" for _, c, r in result.timeline)
+    # The search starts from the fixed split and keeps only what beats it; its figure is
+    # that of the splits it reports.
+    fair = SimpleNamespace(seeds=(0, 1), cadences=(1, 2, 4))  # mu = 4 > S + 1: not tried
+    best = bench.hindsight_split(_SerialPool(), sim, fair, setting)
+    fixed = np.mean(
+        [bench.run_phased((dict(vars(sim), seed=s), setting, (2,) * 4)) for s in (0, 1)]
+    )
+    assert best["setting"]["mu"] in (1, 2)
+    again = [
+        bench.run_phased((dict(vars(sim), seed=s), best["setting"], tuple(best["splits"])))
+        for s in (0, 1)
+    ]
+    assert best["makespan_h"] <= fixed + 1e-9
+    assert best["makespan_h"] == pytest.approx(np.mean(again), rel=1e-12)
+    assert all(1 <= k < sim.cells for k in best["splits"]) and len(best["splits"]) == 4
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async", "elastic"])
