@@ -643,7 +643,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     assert "| 6.5, 4.5, 18.7, 0.3 |" in out  # the trainer's side of the wall
 
 
-def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split():
+def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split(capsys):
     bench = _schedule_bench()
     sim = SimConfig(cells=6, capacity=4, group_size=4, groups_per_step=2, steps=8, mu=1)
     sim = sim.replace(max_staleness=2, train_s_per_token=2e-2, tokens_mean=2e4)
@@ -677,6 +677,19 @@ def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split
     assert best["makespan_h"] <= fixed + 1e-9
     assert best["makespan_h"] == pytest.approx(np.mean(again), rel=1e-12)
     assert all(1 <= k < sim.cells for k in best["splits"]) and len(best["splits"]) == 4
+    # In the fair tables (at the gates with goals): beside the goals, against elastic.
+    cfg = bench.load_config("configs/sim_paper.py:quick")
+    cfg.sim.update(steps=4, group_size=2, groups_per_step=2, tokens_mean=1e4)
+    cfg.sim.update(duration_median_s=HOUR, timeout_s=3 * HOUR, train_s_per_token=0.05)
+    cfg.fair.update(shapes=((3, 2),), gates=(2, 4), seeds=(0,), workloads=("static",))
+    report = {}
+    bench.fair(_SerialPool(), cfg, report, hindsight=True)
+    assert "hindsight_split" not in report["static 3x2"][2]
+    entry = report["static 3x2"][4]
+    ratio = entry["hindsight_split"]["makespan_h"] / entry["policies"]["elastic"]["makespan_h"]
+    assert entry["goals"]["vs_hindsight_split"] == pytest.approx(ratio)
+    assert entry["hindsight_split"]["makespan_h"] <= entry["policies"]["async"]["makespan_h"] + 1e-9
+    assert "the hindsight split" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async", "elastic"])
