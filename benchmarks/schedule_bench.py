@@ -21,7 +21,8 @@ policy:
       no gate). NOT like for like; kept only to compare with the paper's figures;
   (b) fair: for every workload, cluster shape and gate S of the config's `fair` section,
       each policy at its own best publication cadence mu, dispatch depth phi (with
-      lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split:
+      lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
+      (whole, or halfway between two: their cells alternating per step):
       all swept on the first seed, the best three settings of each policy re-run on every
       seed, the best mean kept. Columns: the setting, makespan (mean over seeds), the
       bound valid for any cadence (`makespan_bound_s`), makespan / bound, measured
@@ -81,6 +82,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -94,7 +96,7 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.scheduler.driver import TRAINER_TIME
-from gyrejax.scheduler.policies import IDLE_CAUSES, Decision, Role, View, undispatched_depth
+from gyrejax.scheduler.policies import IDLE_CAUSES, Async, View
 from gyrejax.scheduler.simulator import (
     HOUR,
     SimConfig,
@@ -171,34 +173,21 @@ def gate_limit_h(job: tuple[dict, tuple[int, ...]]) -> float:
     )
 
 
-class PhasedSplit:
+class PhasedSplit(Async):
     """A hindsight comparator, not a policy to run: async whose split changes with the
     run's phase: `splits[i]` cells train during the i-th of len(splits) equal spans of
     the run's steps (dispatch as async's `lookahead`). Searched on the very traces it is
     scored on (`hindsight_split`), it is the best a split chosen in advance could do if
-    it knew how the run would go, e.g. whether the rollout/training ratio drifts, or
-    whether alternating between two splits beats both (a fractional split)."""
-
-    label = "phased async"
+    it knew how the run would go, e.g. whether the rollout/training ratio drifts."""
 
     def __init__(self, splits: tuple[int, ...], steps: int, lookahead: str = "phi"):
-        self.splits, self.steps, self.lookahead = tuple(splits), steps, lookahead
+        super().__init__(max(splits), lookahead)
+        self.splits, self.steps = tuple(splits), steps
+        self.label = "phased async"
 
-    def __call__(self, view: View) -> Decision:
-        step = view.burst * view.steps_per_burst  # steps done when this burst began
-        k = self.splits[min(step * len(self.splits) // self.steps, len(self.splits) - 1)]
-        trainable = [c for c in view.cells if not c.standalone]
-        transitions = [
-            (c.index, Role.TRAINING)
-            for c in trainable[:k]
-            if c.role is not Role.TRAINING and not c.switching
-        ]
-        transitions += [
-            (c.index, Role.ROLLOUT)
-            for c in reversed(trainable[k:])
-            if c.role is Role.TRAINING and not c.switching
-        ]
-        return Decision(tuple(transitions), dispatch=undispatched_depth(view, self.lookahead))
+    def split(self, view: View) -> int:
+        step = view.burst * view.steps_per_burst + view.steps_in_burst  # steps done
+        return self.splits[min(step * len(self.splits) // self.steps, len(self.splits) - 1)]
 
 
 def run_phased(job: tuple[dict, dict, tuple[int, ...]]) -> float:
@@ -219,7 +208,7 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
     pair of splits within 3 of the best fixed one over the run's two halves, then from the
     best pair four quarters by coordinate descent (each within 2 of its split). A search,
     not an optimum; a hindsight baseline, stronger than any split chosen in advance."""
-    fixed = setting["training_cells"]
+    fixed = math.floor(setting["training_cells"])  # the splits searched are whole
     gate = sim.max_staleness
     settings = [setting] + [
         {"mu": mu, "phi": 0, "lookahead": "gate", "training_cells": fixed}
@@ -277,7 +266,9 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
         if policy == "colocate":
             out.append({"mu": mu, "phi": 0})
             continue
-        splits = range(1, sim.cells) if policy == "async" else [None]
+        # async: every whole split and every half between them (alternating per step)
+        splits = [k / 2 if k % 2 else k // 2 for k in range(2, 2 * sim.cells - 1)]
+        splits = splits if policy == "async" else [None]
         for k in splits:
             split = {} if k is None else {"training_cells": k}
             out.append({"mu": mu, "phi": 0, "lookahead": "gate", **split})

@@ -538,6 +538,22 @@ def test_elastic_options_reach_the_simulator():
     assert max(plain.max_staleness, tuned.max_staleness) <= 3
 
 
+def test_async_with_a_fractional_split_alternates_whole_splits():
+    sim = SimConfig(cells=5, capacity=4, group_size=4, groups_per_step=2, steps=8, mu=1)
+    sim = sim.replace(max_staleness=2, train_s_per_token=2e-2, tokens_mean=2e4)
+    sim = sim.replace(to_training_s=0.0, to_rollout_s=0.0)
+    result = simulate(sim, "async", training_cells=2.5, lookahead="gate")
+    # Cells in each step by its end (a cell whose switch ends as a step starts joins it).
+    assert [step[3] for step in result.log["steps"]] == [2, 3] * 4
+    assert result.staleness and max(result.staleness) <= 2
+    # A whole split never moves a cell after its first switch.
+    whole = simulate(sim, "async", training_cells=2, lookahead="gate")
+    assert [step[3] for step in whole.log["steps"]] == [2] * 8
+    assert whole.transitions == {"to_training": 2}  # its two cells, once
+    with pytest.raises(ValueError, match="leaves no rollout cell"):
+        simulate(sim, "async", training_cells=4.5)
+
+
 def _schedule_bench():
     import importlib.util
     from pathlib import Path
@@ -574,7 +590,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     # Async is swept over every split and both dispatch rules, at every cadence <= S + 1.
     sim = SimConfig.from_dict(cfg.sim.to_dict()).replace(cells=3, capacity=2, max_staleness=2, mu=1)
     swept = bench.settings("async", sim, cfg.fair)
-    assert {s["training_cells"] for s in swept} == {1, 2}
+    assert {s["training_cells"] for s in swept} == {1, 1.5, 2}
     assert {s["mu"] for s in swept} == {1, 2} and {s["lookahead"] for s in swept} == {"phi", "gate"}
     # Each policy's row is the best mean over seeds among its top settings; none beats
     # the bound, every gate holds.

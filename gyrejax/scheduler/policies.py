@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import math
 from collections.abc import Callable, Sequence
 
 
@@ -309,13 +310,16 @@ class Async:
     training consumes groups as they become ready.
 
     Args:
-      training_cells: the size of the training prefix.
+      training_cells: the size of the training prefix. A fraction x is a split between
+        two whole numbers of cells: step t trains on floor(x (t + 1)) - floor(x t) cells
+        (x = 3.5: 3, 4, 3, 4, ...; a cell moves at each step boundary), so x cells train
+        on average. A whole number never moves a cell.
       lookahead: "phi" (default) keeps the (phi + mu) * B dispatch depth; "gate" lets only
         the staleness gate limit dispatch (as elastic's option of the same name), so that a
         benchmark can tune async over it too.
     """
 
-    def __init__(self, training_cells: int = 1, lookahead: str = "phi"):
+    def __init__(self, training_cells: float = 1, lookahead: str = "phi"):
         if training_cells < 1:
             raise ValueError(f"async policy: training_cells={training_cells}, expected >= 1")
         _check_option("async", "lookahead", lookahead, _LOOKAHEADS)
@@ -323,17 +327,32 @@ class Async:
         self.lookahead = lookahead
         self.label = f"async({training_cells})"  # the split names an async run
 
+    def split(self, view: View) -> int:
+        """Cells in training for the next step (steps done so far: t)."""
+        x = self.training_cells
+        if float(x).is_integer():
+            return int(x)
+        t = view.burst * view.steps_per_burst + view.steps_in_burst
+        return math.floor(x * (t + 1) + 1e-9) - math.floor(x * t + 1e-9)
+
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)
-        if self.training_cells >= len(view.cells):
+        if math.ceil(self.training_cells) >= len(view.cells):
             raise ValueError(
                 f"async policy: training_cells={self.training_cells} leaves no rollout cell "
                 f"among {len(view.cells)}"
             )
-        transitions = []
-        for c in trainable[: self.training_cells]:
-            if c.role is not Role.TRAINING and not c.switching:
-                transitions.append((c.index, Role.TRAINING))
+        k = self.split(view)
+        transitions = [
+            (c.index, Role.TRAINING)
+            for c in trainable[:k]
+            if c.role is not Role.TRAINING and not c.switching
+        ]
+        transitions += [  # a fractional split's extra cell, back to rollout
+            (c.index, Role.ROLLOUT)
+            for c in reversed(trainable[k:])
+            if c.role is Role.TRAINING and not c.switching
+        ]
         return Decision(tuple(transitions), dispatch=undispatched_depth(view, self.lookahead))
 
 
