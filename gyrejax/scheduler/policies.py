@@ -240,7 +240,7 @@ def gate_allowance(view: View) -> int | None:
     return steps_left * view.groups_per_step - (view.groups_in_flight + view.groups_ready)
 
 
-def undispatched_depth(view: View, lookahead: str = "phi") -> int:
+def _undispatched_depth(view: View, lookahead: str = "phi") -> int:
     """Groups that may be dispatched now.
 
     lookahead "phi": the dispatch depth (phi + mu) B - (in flight + ready), and no more
@@ -353,7 +353,7 @@ class Async:
             for c in reversed(trainable[k:])
             if c.role is Role.TRAINING and not c.switching
         ]
-        return Decision(tuple(transitions), dispatch=undispatched_depth(view, self.lookahead))
+        return Decision(tuple(transitions), dispatch=_undispatched_depth(view, self.lookahead))
 
 
 @register_policy("elastic")
@@ -414,7 +414,7 @@ class Elastic:
 
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)
-        dispatch = undispatched_depth(view, self.lookahead)
+        dispatch = _undispatched_depth(view, self.lookahead)
         if any(c.switching for c in view.cells):  # serial switches: one at a time
             return Decision(dispatch=dispatch)
         if view.burst != self._burst_seen:  # a burst boundary: make room for its dispatch
