@@ -75,8 +75,8 @@ def main() -> None:
     for regime in args.regimes.split(","):
         names = run_names(root / regime)
         runs = {name: calibrate.read_run(root / regime / name) for name in names}
+        cores_by = [root / regime / args.cores_by] if args.cores_by else []
         for source in args.sources.split(","):
-            cores_by = [root / regime / args.cores_by] if args.cores_by else []
             fit = calibrate.fit_run(root / regime / source, load=True, cores_by=cores_by)
             # Each run simulated once (on every seed): its band and its trainer's side.
             sims = {name: calibrate.predicted_runs(fit, run) for name, run in runs.items()}

@@ -186,8 +186,8 @@ class PhasedSplit(Async):
         self.label = "phased async"
 
     def split(self, view: View) -> int:
-        step = view.burst * view.steps_per_burst + view.steps_in_burst  # steps done
-        return self.splits[min(step * len(self.splits) // self.steps, len(self.splits) - 1)]
+        phase = view.steps_done * len(self.splits) // self.steps
+        return self.splits[min(phase, len(self.splits) - 1)]
 
 
 def run_phased(job: tuple[dict, dict, tuple[int, ...]]) -> float:

@@ -102,6 +102,11 @@ class View:
         return self.executions_in_flight
 
     @property
+    def steps_done(self) -> int:
+        """Training steps completed in the run (every burst before this one has mu)."""
+        return self.burst * self.steps_per_burst + self.steps_in_burst
+
+    @property
     def rollout_capacity(self) -> int:
         """C_R(t): capacity of the cells in (or switching to) rollout."""
         return sum(c.capacity for c in self.cells if c.role is Role.ROLLOUT)
@@ -328,11 +333,8 @@ class Async:
         self.label = f"async({training_cells})"  # the split names an async run
 
     def split(self, view: View) -> int:
-        """Cells in training for the next step (steps done so far: t)."""
-        x = self.training_cells
-        if float(x).is_integer():
-            return int(x)
-        t = view.burst * view.steps_per_burst + view.steps_in_burst
+        """Cells in training for the next step (exactly `training_cells` when whole)."""
+        x, t = self.training_cells, view.steps_done
         return math.floor(x * (t + 1) + 1e-9) - math.floor(x * t + 1e-9)
 
     def __call__(self, view: View) -> Decision:
