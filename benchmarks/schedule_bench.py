@@ -22,9 +22,10 @@ policy:
   (b) fair: for every workload, cluster shape and gate S of the config's `fair` section,
       each policy at its own best publication cadence mu, dispatch depth phi (with
       lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
-      (whole, or halfway between two: their cells alternating per step):
-      all swept on the first seed, the best three settings of each policy re-run on every
-      seed, the best mean kept. Columns: the setting, makespan (mean over seeds), the
+      (whole, or halfway between two: their cells alternating per step; then beside
+      async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell): all swept on the
+      first seed, the best three settings of each policy re-run on every seed, the best
+      mean kept. Columns: the setting, makespan (mean over seeds), the
       bound valid for any cadence (`makespan_bound_s`), makespan / bound, measured
       staleness (max, mean; a group's staleness is the trainer's version when it is
       trained minus the version it was dispatched with, i.e. its oldest tokens'), idle
@@ -91,6 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -276,14 +278,41 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
     return out
 
 
+def finer_splits(top: list[dict], sim: SimConfig) -> list[dict]:
+    """Async settings beside the sweep's best: each split moved by 1/6, 1/4 and 1/3 of a
+    cell (the sweep has wholes and halves only; a third of a cell gained 2% on 8 cells),
+    at the same cadence and dispatch rule; those swept already or leaving no rollout cell
+    are left out."""
+    swept = {tuple(sorted(s.items())) for s in top}
+    out = []
+    for setting in top:
+        for step in (Fraction(1, 6), Fraction(1, 4), Fraction(1, 3)):
+            for sign in (-1, 1):
+                split = Fraction(setting["training_cells"]).limit_denominator(12) + sign * step
+                if split < 1 or math.ceil(split) >= sim.cells:
+                    continue
+                finer = dict(setting, training_cells=float(split))
+                if (key := tuple(sorted(finer.items()))) not in swept:
+                    swept.add(key)
+                    out.append(finer)
+    return out
+
+
 def tune(pool, sim: SimConfig, fair) -> dict:
-    """Each policy's best setting under `sim`'s gate: all settings on the first seed, the
-    best `TOP` on every seed; the best mean makespan wins. Returns per policy the setting,
-    its runs (one per seed) and the mean of their summaries."""
+    """Each policy's best setting under `sim`'s gate: all settings on the first seed (for
+    async also `finer_splits` beside its best `TOP`), the best `TOP` on every seed; the
+    best mean makespan wins. Returns per policy the setting, its runs (one per seed) and
+    the mean of their summaries."""
     seeds = list(fair.seeds)
     base = dict(vars(sim), seed=seeds[0])
     jobs = [(base, p, s) for p in POLICIES for s in settings(p, sim, fair)]
     first = pool.map(run_one, jobs)
+    top_async = sorted(
+        (r for (_, p, _), r in zip(jobs, first, strict=True) if p == "async"),
+        key=lambda r: r["makespan_h"],
+    )[:TOP]
+    finer = [(base, "async", s) for s in finer_splits([r["setting"] for r in top_async], sim)]
+    jobs, first = jobs + finer, first + pool.map(run_one, finer)
     out = {}
     for policy in POLICIES:
         runs = sorted(
@@ -336,7 +365,7 @@ def setting_label(policy: str, setting: dict) -> str:
         else:
             parts.append(f"phi={setting['phi']}")
     if "training_cells" in setting:
-        parts.insert(0, f"{setting['training_cells']} train")
+        parts.insert(0, f"{setting['training_cells']:.4g} train")
     return ", ".join(parts)
 
 

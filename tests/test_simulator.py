@@ -591,6 +591,29 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     sim = SimConfig.from_dict(cfg.sim.to_dict()).replace(cells=3, capacity=2, max_staleness=2, mu=1)
     swept = bench.settings("async", sim, cfg.fair)
     assert {s["training_cells"] for s in swept} == {1, 1.5, 2}
+    # Beside the best three async settings, splits moved by a sixth, quarter and third of
+    # a cell (those within the cells and not swept already).
+    top_async = sorted(
+        (bench.run_one((dict(vars(sim), seed=0), "async", s)) for s in swept),
+        key=lambda r: r["makespan_h"],
+    )[: bench.TOP]
+    finer = bench.finer_splits([r["setting"] for r in top_async], sim)
+    moves = [pytest.approx(d) for d in (1 / 6, 1 / 4, 1 / 3)]
+    for s in finer:
+        assert any(
+            abs(s["training_cells"] - t["setting"]["training_cells"]) in moves
+            and {**s, "training_cells": 0} == {**t["setting"], "training_cells": 0}
+            for t in top_async
+        )
+        assert 1 <= s["training_cells"] <= 2 and s not in swept
+    assert len(finer) == len({tuple(sorted(s.items())) for s in finer}) > 0
+    gate = {"mu": 1, "phi": 0, "lookahead": "gate"}
+    beside = bench.finer_splits(  # 3.5 + 1/3 and 4 - 1/6 are one split, tried once
+        [dict(gate, training_cells=3.5), dict(gate, training_cells=4)], sim.replace(cells=8)
+    )
+    assert [s["training_cells"] for s in beside] == pytest.approx(
+        [10 / 3, 11 / 3, 3.25, 3.75, 19 / 6, 23 / 6, 25 / 6, 4.25, 13 / 3]
+    )
     assert {s["mu"] for s in swept} == {1, 2} and {s["lookahead"] for s in swept} == {"phi", "gate"}
     # Each policy's row is the best mean over seeds among its top settings; none beats
     # the bound, every gate holds.
@@ -599,10 +622,8 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         assert len(r["per_seed_h"]) == 2 and r["makespan_h"] == pytest.approx(
             np.mean(r["per_seed_h"])
         )
-        first = [
-            bench.run_one((dict(vars(sim), seed=0), policy, s))["makespan_h"]
-            for s in bench.settings(policy, sim, cfg.fair)
-        ]
+        tried = bench.settings(policy, sim, cfg.fair) + (finer if policy == "async" else [])
+        first = [bench.run_one((dict(vars(sim), seed=0), policy, s))["makespan_h"] for s in tried]
         assert r["per_seed_h"][0] in sorted(first)[: bench.TOP]
         assert r["over_bound"] >= 1 - 1e-9 and r["staleness_max"] <= 2 and r["over_stale"] == 0
     assert set(entry["goals"]) == {"vs_async", "vs_colocate", "vs_bound", "lead_ceiling", "met"}
@@ -613,7 +634,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         terms = makespan_bound_terms_s(seeded, make_trace(seeded))
         assert max(terms, key=terms.get) in entry["bound_set_by"]
     assert bench.pareto_front([(1, 5), (2, 3), (3, 4), (0.5, 9)]) == [(0.5, 9), (1, 5), (2, 3)]
-    assert len(rows["async"]["sweep"]) == len(swept)
+    assert len(rows["async"]["sweep"]) == len(swept) + len(finer)
     bench.pareto_plot(report, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     out = capsys.readouterr().out

@@ -317,8 +317,8 @@ class Async:
     Args:
       training_cells: the size of the training prefix. A fraction x is a split between
         two whole numbers of cells: step t trains on floor(x (t + 1)) - floor(x t) cells
-        (x = 3.5: 3, 4, 3, 4, ...; a cell moves at each step boundary), so x cells train
-        on average. A whole number never moves a cell.
+        (x = 3.5: 3, 4, 3, 4, ...; x = 11/3: 3, 4, 4, ...; a cell moves at most once per
+        step boundary), so x cells train on average. A whole number never moves a cell.
       lookahead: "phi" (default) keeps the (phi + mu) * B dispatch depth; "gate" lets only
         the staleness gate limit dispatch (as elastic's option of the same name), so that a
         benchmark can tune async over it too.
@@ -330,7 +330,7 @@ class Async:
         _check_option("async", "lookahead", lookahead, _LOOKAHEADS)
         self.training_cells = training_cells
         self.lookahead = lookahead
-        self.label = f"async({training_cells})"  # the split names an async run
+        self.label = f"async({training_cells:.4g})"  # the split names an async run
 
     def split(self, view: View) -> int:
         """Cells in training for the next step (exactly `training_cells` when whole)."""
