@@ -258,6 +258,12 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
 # --- the sweep ----------------------------------------------------------------------------
 
 
+def half_splits(cells: int) -> list[float]:
+    """Async's splits on `cells` cells: every whole number of training cells that leaves
+    one rolling out, and every half between two (alternating them per step)."""
+    return [j / 2 if j % 2 else j // 2 for j in range(2, 2 * cells - 1)]
+
+
 def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
     """Every setting swept for a policy under the gate of `sim`."""
     cadences = [
@@ -268,9 +274,7 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
         if policy == "colocate":
             out.append({"mu": mu, "phi": 0})
             continue
-        # async: every whole split and every half between them (alternating per step)
-        splits = [k / 2 if k % 2 else k // 2 for k in range(2, 2 * sim.cells - 1)]
-        splits = splits if policy == "async" else [None]
+        splits = half_splits(sim.cells) if policy == "async" else [None]
         for k in splits:
             split = {} if k is None else {"training_cells": k}
             out.append({"mu": mu, "phi": 0, "lookahead": "gate", **split})
@@ -627,17 +631,17 @@ def real_variants(
     cell_capacities: tuple[int, ...] = (),
     occupancies: tuple[float, ...] = (),
 ) -> list[tuple[str, list[str]]]:
-    """Every policy at every publication cadence mu (and async at every split), all under
-    tiny_cpu's gate S = 3: each policy's best is the fairly tuned one. `lookaheads`: also
-    async and elastic at the dispatch depth that is not their default (async "gate",
-    elastic "phi"), as the simulator's sweep has them. `cell_capacities`: also elastic
-    with each of these `scheduler.cell_capacity` values; `occupancies`: with each of
-    these `scheduler.slot_occupancy` values (the capacity measured as it runs)."""
+    """Every policy at every publication cadence mu (and async at every `half_splits`),
+    all under tiny_cpu's gate S = 3: each policy's best is the fairly tuned one.
+    `lookaheads`: also async and elastic at the dispatch depth that is not their default
+    (async "gate", elastic "phi"), as the simulator's sweep has them. `cell_capacities`:
+    also elastic with each of these `scheduler.cell_capacity` values; `occupancies`: with
+    each of these `scheduler.slot_occupancy` values (the capacity measured as it runs)."""
     variants = []
     for mu in mus:
         cadence = [f"--config.scheduler.mu={mu}"]
         variants.append((f"colocate mu={mu}", ["--config.scheduler.policy=colocate", *cadence]))
-        for k in range(1, cells):
+        for k in half_splits(cells):
             split = f"--config.scheduler.async_training_cells={k}"
             flags = ["--config.scheduler.policy=async", split]
             variants.append((f"async({k}) mu={mu}", [*flags, *cadence]))

@@ -486,7 +486,9 @@ class SchedulerConfig:
     policy: str = "elastic"
     phi: int = 1  # extra bursts of dispatch depth (staleness bound).
     mu: int = 1  # training steps per weight publication.
-    async_training_cells: int = 1  # the async policy's fixed number of training cells
+    # The async policy's split: cells in training. A fraction alternates the whole splits
+    # around it step by step (1.5: 1, 2, 1, 2, ... cells; policies.Async).
+    async_training_cells: float = 1.0
     # Dispatch depth of async and elastic: "gate" dispatches as far ahead as S allows
     # (rollout holds the cells that depth needs), "phi" only (phi + mu) steps ahead;
     # "default": each policy's own (elastic "gate", async "phi").
@@ -516,7 +518,9 @@ class SchedulerConfig:
                 self.slot_occupancy,
                 f"set with scheduler.cell_capacity={self.cell_capacity}; set one of them",
             )
-        _positive("scheduler", self, "mu", "async_training_cells")
+        _positive("scheduler", self, "mu")
+        if not self.async_training_cells >= 1 or not math.isfinite(self.async_training_cells):
+            _fail("scheduler.async_training_cells", self.async_training_cells, "expected >= 1")
         if self.max_staleness is not None:
             _non_negative("scheduler", self, "max_staleness")
         if not self.progress_every_s > 0:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 
 from gyrejax.config import BYTE_TOKENIZER, Config, ConfigError
@@ -140,11 +141,12 @@ def check_devices(config: Config, num_devices: int) -> None:
         raise ConfigError(f"config.cells.size={size}: must divide the device count {num_devices}")
     num_cells = num_devices // size
     s = config.scheduler
-    if _runs_rl(config) and s.policy == "async" and s.async_training_cells >= num_cells:
+    if _runs_rl(config) and s.policy == "async" and math.ceil(s.async_training_cells) >= num_cells:
         raise ConfigError(
-            f"config.scheduler.async_training_cells={s.async_training_cells}: must be below "
-            f"the number of cells, {num_cells} ({num_devices} devices / cells.size={size}): "
-            "the async policy keeps at least one cell rolling out"
+            f"config.scheduler.async_training_cells={s.async_training_cells:g}: trains up to "
+            f"{math.ceil(s.async_training_cells)} cells, expected fewer than the number of "
+            f"cells, {num_cells} ({num_devices} devices / cells.size={size}): the async "
+            "policy keeps at least one cell rolling out"
         )
 
 

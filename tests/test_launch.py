@@ -137,9 +137,14 @@ def test_override_of_a_field_the_config_file_leaves_out_names_it(tmp_path):
     [
         (["--config.seed=-5"], "config.seed=-5: expected an integer >= 0"),
         (
-            ["--config.scheduler.policy=async", "--config.scheduler.async_training_cells=4"],
-            "config.scheduler.async_training_cells=4: must be below the number of cells, 4 "
-            "(8 devices / cells.size=2): the async policy keeps at least one cell rolling out",
+            ["--config.scheduler.policy=async", "--config.scheduler.async_training_cells=3.5"],
+            "config.scheduler.async_training_cells=3.5: trains up to 4 cells, expected fewer "
+            "than the number of cells, 4 (8 devices / cells.size=2): the async policy keeps "
+            "at least one cell rolling out",
+        ),
+        (
+            ["--config.scheduler.async_training_cells=0.5"],
+            "config.scheduler.async_training_cells=0.5: expected >= 1",
         ),
         (
             ["--config.model.vocab_size=100"],

@@ -91,6 +91,25 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
         assert cell_s["train_wait"] + cell_s["tail"] > 0
 
 
+def test_async_with_a_fractional_split_moves_one_cell_each_step(tmp_path):
+    """async_training_cells=1.5 on four cells trains steps on 1, 2, 1, 2 cells: cell 1
+    joins, returns to rollout and joins again (the same Transitions as elastic's);
+    cells 2 and 3 never leave rollout."""
+    c = load_config_file("tiny_cpu", "smoke")
+    c.scheduler.policy, c.scheduler.async_training_cells, c.scheduler.mu = "async", 1.5, 1
+    c.train.steps = 4
+    config = from_dict(c)
+    summary = Runtime(
+        config, split_into_cells(config.cells), init_model(config.model), tmp_path
+    ).run()
+    assert summary["steps"] == 4 and summary["schedule"]["async_training_cells"] == 1.5
+    moves = [(t["cell"], t["kind"]) for t in read_jsonl(tmp_path / "transitions.jsonl")]
+    moves = [m for m in moves if m[1] != "publish"]
+    assert moves == [(0, "to_training"), (1, "to_training"), (1, "to_rollout"), (1, "to_training")]
+    steps = read_jsonl(tmp_path / "metrics.jsonl")
+    assert steps[0]["cells"] == [0] and all(set(s["cells"]) <= {0, 1} for s in steps)
+
+
 def launch(workdir, steps):
     return subprocess.Popen(
         [

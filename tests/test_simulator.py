@@ -642,7 +642,8 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     # The real runs' variants: every policy and cadence, async at every split; the
     # optional dispatch depths and cell capacities add elastic (and async) rows only.
     names = [name for name, _ in bench.real_variants()]
-    assert len(names) == 2 * 5 and "async(3) mu=2" in names and "elastic mu=1" in names
+    assert len(names) == 2 * 7 and "async(3) mu=2" in names and "elastic mu=1" in names
+    assert "async(2.5) mu=1" in names and "async(3.5) mu=1" not in names
     # Several passes: medians per variant, each policy's best by median, and elastic's
     # best against the better baseline's as a ratio of medians and pass by pass.
     walls = {
@@ -662,7 +663,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     assert vs["baseline"] == "async(2) mu=1" and vs["of_medians"] == pytest.approx(31 / 32)
     assert vs["pass_by_pass"] == pytest.approx([31 / 32, 29 / 30, 40 / 35])
     more = dict(bench.real_variants(lookaheads=True, cell_capacities=(48,), occupancies=(0.5,)))
-    assert len(more) == 2 * 11
+    assert len(more) == 2 * 15
     assert "--config.scheduler.cell_capacity=48" in more["elastic mu=2 cap=48"]
     assert "--config.scheduler.slot_occupancy=0.5" in more["elastic mu=1 occupancy=0.5"]
     assert "--config.scheduler.lookahead=gate" in more["async(1) mu=1 gate"]

@@ -43,7 +43,8 @@ class RunContext:
       weight_pulls: engines copying the trainer's weights now (transitions.py,
         engines.py): no step may start, since its update donates those buffers.
       phase: cell -> "queued" | "wait_boundary" | "switch" while it switches
-        (transitions.py; the idle accounting reads it).
+        (transitions.py; the idle accounting reads it; no step starts while a cell
+        waits at the boundary).
       timeline: (seconds, cell, role or "switching") role changes (transitions.py).
     """
 

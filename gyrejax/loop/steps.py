@@ -63,8 +63,11 @@ class Steps:
     def maybe_start(self) -> None:
         """Starts a step if the driver's rules and the staleness gate allow one."""
         ctx, driver, trainer = self.ctx, self.ctx.driver, self.ctx.trainer
-        # No step while an engine copies the weights a step's update would donate.
-        if ctx.weight_pulls or not driver.step_may_start(ctx.step_task is not None):
+        # No step while an engine copies the weights a step's update would donate, nor
+        # while a cell waits for this boundary to leave training: steps started back to
+        # back would hold it (out of the trainer, not yet serving) for good.
+        leaving = "wait_boundary" in ctx.phase.values()
+        if ctx.weight_pulls or leaving or not driver.step_may_start(ctx.step_task is not None):
             return
         ready = list(self.groups.ready)
         groups = self.groups.groups
