@@ -92,9 +92,9 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
 
 
 def test_async_with_a_fractional_split_moves_one_cell_each_step(tmp_path):
-    """async_training_cells=1.5 on four cells trains steps on 1, 2, 1, 2 cells: cell 1
-    joins, returns to rollout and joins again (the same Transitions as elastic's);
-    cells 2 and 3 never leave rollout."""
+    """async_training_cells=1.5 on four cells splits its steps 1, 2, 1, 2: cell 1 joins
+    for the second, returns to rollout for the third (the same Transitions as elastic's
+    returns) and joins again for the fourth; cells 2 and 3 never leave rollout."""
     c = load_config_file("tiny_cpu", "smoke")
     c.scheduler.policy, c.scheduler.async_training_cells, c.scheduler.mu = "async", 1.5, 1
     c.train.steps = 4
