@@ -292,7 +292,7 @@ def finer_splits(top: list[dict], sim: SimConfig) -> list[dict]:
     for setting in top:
         for step in (Fraction(1, 6), Fraction(1, 4), Fraction(1, 3)):
             for sign in (-1, 1):
-                split = Fraction(setting["training_cells"]).limit_denominator(12) + sign * step
+                split = Fraction(setting["training_cells"]) + sign * step  # halves: exact
                 if split < 1 or math.ceil(split) >= sim.cells:
                     continue
                 finer = dict(setting, training_cells=float(split))
@@ -311,18 +311,14 @@ def tune(pool, sim: SimConfig, fair) -> dict:
     base = dict(vars(sim), seed=seeds[0])
     jobs = [(base, p, s) for p in POLICIES for s in settings(p, sim, fair)]
     first = pool.map(run_one, jobs)
-    top_async = sorted(
-        (r for (_, p, _), r in zip(jobs, first, strict=True) if p == "async"),
-        key=lambda r: r["makespan_h"],
-    )[:TOP]
-    finer = [(base, "async", s) for s in finer_splits([r["setting"] for r in top_async], sim)]
-    jobs, first = jobs + finer, first + pool.map(run_one, finer)
     out = {}
     for policy in POLICIES:
-        runs = sorted(
-            (r for (_, p, _), r in zip(jobs, first, strict=True) if p == policy),
-            key=lambda r: r["makespan_h"],
-        )
+        runs = [r for (_, p, _), r in zip(jobs, first, strict=True) if p == policy]
+        runs.sort(key=lambda r: r["makespan_h"])
+        if policy == "async":  # and beside its best, finer splits
+            finer = finer_splits([r["setting"] for r in runs[:TOP]], sim)
+            runs += pool.map(run_one, [(base, policy, s) for s in finer])
+            runs.sort(key=lambda r: r["makespan_h"])
         candidates = runs[:TOP]
         more = [
             (dict(vars(sim), seed=seed), policy, r["setting"])
