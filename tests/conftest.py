@@ -3,6 +3,7 @@
 Tests that need another device count run in a subprocess.
 """
 
+import asyncio
 import atexit
 import json
 import os
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and every subprocess it starts (they
@@ -143,3 +145,42 @@ def start_engine_server(name: str, *flags: str) -> tuple[subprocess.Popen, str]:
         server.wait()
         raise AssertionError(f"engine server {name}: unexpected banner {banner!r}")
     return server, banner.split()[-1]
+
+
+class HoldAfterTokens:
+    """Test hook: a JaxEngine's thread stops after its `n`-th generated token until the
+    test has posted its next command (an update, an export, a failure). A tiny model
+    decodes a whole budget in a few milliseconds, faster than a test can poll for it, so
+    "in flight" must be held, not raced."""
+
+    def __init__(self, engine, n: int):
+        self.engine = engine
+        self._reached, self._released = threading.Event(), threading.Event()
+        emit = engine._emit
+
+        def emit_then_hold(*args):
+            reason = emit(*args)
+            if engine.tokens_generated == n:
+                self._reached.set()
+                self._released.wait()
+            return reason
+
+        engine._emit = emit_then_hold
+
+    async def reached(self, timeout_s: float = 60) -> None:
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self._reached.wait, timeout_s):
+            self.release()
+            raise AssertionError(f"engine {self.engine.name} never generated its tokens")
+
+    async def meanwhile(self, awaitable):
+        """Awaits `awaitable`, releasing the engine once it has posted a command to the
+        engine thread (or finished without one)."""
+        task = asyncio.ensure_future(awaitable)
+        while self.engine._commands.empty() and not task.done():
+            await asyncio.sleep(0.001)
+        self.release()
+        return await task
+
+    def release(self) -> None:
+        self._released.set()

@@ -11,7 +11,7 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from conftest import ENGINE_TOKEN, start_engine_server
+from conftest import ENGINE_TOKEN, HoldAfterTokens, start_engine_server
 
 from gyrejax.config import ModelConfig
 from gyrejax.model.hf_io import export_hf, load_hf
@@ -71,16 +71,16 @@ def test_proxy_over_http_engines_drains_by_resubmit_and_publishes_weights(model,
         ]
         servers, remote = await remote_fleet(local, weights_dir=tmp_path)
         proxy = Proxy(remote)
+        hold = HoldAfterTokens(local[0], 20)
         try:
             info = [(r.name, r.capacity, r.version, r.exports_kv) for r in remote]
             calls = [
                 asyncio.create_task(proxy.generate(f"x{i}", "main", "main", PROMPT, LONG))
                 for i in range(3)
             ]
-            while local[0].tokens_generated < 20:
-                await asyncio.sleep(0.01)
+            await hold.reached()
             held = proxy.counters().in_flight["e0"]
-            report = await proxy.drain("e0")
+            report = await hold.meanwhile(proxy.drain("e0"))
             results = await asyncio.gather(*calls)
             records = [proxy.finish(f"x{i}") for i in range(3)]
             await remote[0].release_memory()  # drained: it may free its memory, and resume

@@ -7,6 +7,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from conftest import HoldAfterTokens
 from flax import nnx
 
 from gyrejax.cells import split_into_cells
@@ -240,12 +241,12 @@ def test_weight_update_between_decode_steps(model):
     bigger = jax.tree.map(lambda x: x * 1.5, nnx.to_pure_dict(nnx.state(model)))
 
     async def body(engine):
+        hold = HoldAfterTokens(engine, 10)
         future = engine.submit(
             Request("w", prompt, SamplingParams(temperature=0, max_new_tokens=80))
         )
-        while engine.tokens_generated < 10:
-            await asyncio.sleep(0.01)
-        await engine.update_weights(bigger, version=1)
+        await hold.reached()
+        await hold.meanwhile(engine.update_weights(bigger, version=1))
         during = await future
         after = await engine.submit(Request("x", prompt, GREEDY))
         return during, after
@@ -253,7 +254,7 @@ def test_weight_update_between_decode_steps(model):
     during, after = run(with_engines(model, body, max_slots=2, decode_steps=2))
     switch = int(np.argmax(during.versions == 1))
     assert (
-        0 < switch
+        10 <= switch
         and (during.versions[:switch] == 0).all()
         and (during.versions[switch:] == 1).all()
     )

@@ -6,6 +6,7 @@ import contextlib
 import jax
 import numpy as np
 import pytest
+from conftest import HoldAfterTokens
 from flax import nnx
 
 from gyrejax.config import ModelConfig
@@ -91,14 +92,14 @@ def test_drain_migrates_in_flight_requests_invisibly(model, reference, cls):
         proxy = Proxy(engines(model, cls=cls))
         try:
             source = proxy.engines()[0]
+            hold = HoldAfterTokens(source, 30)
             calls = [
                 asyncio.create_task(proxy.generate(f"x{i}", "main", "main", PROMPT, LONG))
                 for i in range(3)
             ]
-            while source.tokens_generated < 30:
-                await asyncio.sleep(0.01)
+            await hold.reached()
             held = proxy.counters().in_flight["e0"]
-            report = await proxy.drain("e0")
+            report = await hold.meanwhile(proxy.drain("e0"))
             assert proxy.counters().in_flight["e0"] == 0 and source.load == 0
             return (
                 await asyncio.gather(*calls),
@@ -130,10 +131,11 @@ def test_engine_failure_retries_elsewhere(model, reference, failure):
         proxy = Proxy(engines(model), hang_timeout_s=0.5)
         try:
             victim = proxy.engines()[0]
+            hold = HoldAfterTokens(victim, 10)
             call = asyncio.create_task(proxy.generate("x", "main", "main", PROMPT, LONG))
-            while victim.tokens_generated < 10:
-                await asyncio.sleep(0.01)
+            await hold.reached()
             victim.simulate_failure(failure)
+            hold.release()
             completion = await asyncio.wait_for(call, timeout=60)
             again = await proxy.generate("y", "main", "main", PROMPT, LONG)
             return completion, again, proxy.counters(), proxy.finish("x")
@@ -191,10 +193,10 @@ def test_weights_published_mid_flight_version_every_token(model):
     async def body():
         proxy = Proxy(engines(model))
         try:
+            hold = HoldAfterTokens(proxy.engines()[0], 20)  # the first call goes to e0
             call = asyncio.create_task(proxy.generate("x", "main", "main", PROMPT, LONG))
-            while sum(e.tokens_generated for e in proxy.engines()) < 20:
-                await asyncio.sleep(0.01)
-            await proxy.update_weights(new, version=1)
+            await hold.reached()
+            await hold.meanwhile(proxy.update_weights(new, version=1))
             completion = await call
             return completion, proxy.finish("x"), [e.version for e in proxy.engines()]
         finally:
