@@ -41,7 +41,7 @@ policy:
   best setting, or any cadence) with a split that changes per quarter of the run, searched
   on the very traces it is scored on (`hindsight_split`: it shows whether the best split
   moves over the run, and whether alternating two splits beats both; not a policy anyone
-  could run, since it knows the run in advance). Adds about 9 minutes on 2 cores.
+  could run, since it knows the run in advance). Adds about 15 minutes on 2 cores.
 
 `--real` runs the three policies (async over every split) as real tiny CPU runs of equal
 work, in two regimes (compute-bound: today's tiny_cpu; latency-bound: tool calls that
@@ -98,7 +98,7 @@ from pathlib import Path
 import numpy as np
 
 from gyrejax.scheduler.driver import TRAINER_TIME
-from gyrejax.scheduler.policies import IDLE_CAUSES, Async, View
+from gyrejax.scheduler.policies import IDLE_CAUSES, Async, View, cells_at_step
 from gyrejax.scheduler.simulator import (
     HOUR,
     SimConfig,
@@ -178,21 +178,22 @@ def gate_limit_h(job: tuple[dict, tuple[int, ...]]) -> float:
 class PhasedSplit(Async):
     """A hindsight comparator, not a policy to run: async whose split changes with the
     run's phase: `splits[i]` cells train during the i-th of len(splits) equal spans of
-    the run's steps (dispatch as async's `lookahead`). Searched on the very traces it is
-    scored on (`hindsight_split`), it is the best a split chosen in advance could do if
-    it knew how the run would go, e.g. whether the rollout/training ratio drifts."""
+    the run's steps (a fraction as async's, alternating whole splits step by step;
+    dispatch as async's `lookahead`). Searched on the very traces it is scored on
+    (`hindsight_split`), it is the best a split chosen in advance could do if it knew how
+    the run would go, e.g. whether the rollout/training ratio drifts."""
 
-    def __init__(self, splits: tuple[int, ...], steps: int, lookahead: str = "phi"):
+    def __init__(self, splits: tuple[float, ...], steps: int, lookahead: str = "phi"):
         super().__init__(max(splits), lookahead)
         self.splits, self.steps = tuple(splits), steps
         self.label = "phased async"
 
     def split(self, view: View) -> int:
         phase = view.steps_done * len(self.splits) // self.steps
-        return self.splits[min(phase, len(self.splits) - 1)]
+        return cells_at_step(self.splits[min(phase, len(self.splits) - 1)], view.steps_done)
 
 
-def run_phased(job: tuple[dict, dict, tuple[int, ...]]) -> float:
+def run_phased(job: tuple[dict, dict, tuple[float, ...]]) -> float:
     """(SimConfig fields, async setting, splits per phase) -> makespan h (a pool job)."""
     fields, setting, splits = job
     sim = SimConfig(**fields).replace(mu=setting["mu"], phi=setting["phi"])
@@ -201,36 +202,44 @@ def run_phased(job: tuple[dict, dict, tuple[int, ...]]) -> float:
 
 
 HINDSIGHT_GATES = (4, 8)  # the gates with goals (issue 14)
-HINDSIGHT_REACH = (3, 2)  # splits tried around the best: 2 phases (a grid), then 4 phases
+HINDSIGHT_GRID = 3  # the two halves: each split up to 3 cells from the best async's
+HINDSIGHT_MOVES = tuple(Fraction(1, d) for d in (6, 3, 2, 1))  # then each quarter's, +-
 
 
 def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
     """The best `PhasedSplit` by its mean makespan over the seeds of `fair`, at the best
-    async's setting and at every cadence of `fair` dispatching to the gate: at each, every
-    pair of splits within 3 of the best fixed one over the run's two halves, then from the
-    best pair four quarters by coordinate descent (each within 2 of its split). A search,
-    not an optimum; a hindsight baseline, stronger than any split chosen in advance."""
-    fixed = math.floor(setting["training_cells"])  # the splits searched are whole
+    async's setting and at every cadence of `fair` dispatching to the gate, starting from
+    the best async's split x: at each, every pair of splits x + j (j whole, |j| <= 3) over
+    the run's two halves, then from the best pair four quarters by coordinate descent
+    (each split moved by a sixth, a third, a half or a whole cell). The grid holds x over
+    the whole run, async itself, so the result is never worse than the best async. A
+    search, not an optimum; a hindsight baseline, stronger than any split chosen in
+    advance."""
+    x = Fraction(setting["training_cells"]).limit_denominator(12)  # 3.667 -> 11/3
     gate = sim.max_staleness
     settings = [setting] + [
-        {"mu": mu, "phi": 0, "lookahead": "gate", "training_cells": fixed}
+        {"mu": mu, "phi": 0, "lookahead": "gate", "training_cells": setting["training_cells"]}
         for mu in fair.cadences
         if gate is None or mu - 1 <= gate
     ]
-    settings = [x for i, x in enumerate(settings) if x not in settings[:i]]
+    settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
 
-    def mean_h(at: dict, patterns: list[tuple[int, ...]]) -> list[float]:
-        jobs = [(dict(vars(sim), seed=s), at, p) for p in patterns for s in fair.seeds]
+    def mean_h(at: dict, patterns: list[tuple[Fraction, ...]]) -> list[float]:
+        jobs = [
+            (dict(vars(sim), seed=s), at, tuple(map(float, p)))
+            for p in patterns
+            for s in fair.seeds
+        ]
         out = pool.map(run_phased, jobs)
         n = len(fair.seeds)
         return [float(np.mean(out[i : i + n])) for i in range(0, len(out), n)]
 
-    def near(k: int, reach: int) -> list[int]:
-        return [j for j in range(k - reach, k + reach + 1) if 1 <= j < sim.cells]
+    def valid(k: Fraction) -> bool:  # at least one cell trains, at least one rolls out
+        return k >= 1 and math.ceil(k) < sim.cells
 
-    def search(at: dict) -> tuple[float, tuple[int, ...]]:
-        splits = near(fixed, HINDSIGHT_REACH[0])
-        halves = [(a, b) for a in splits for b in splits]
+    def search(at: dict) -> tuple[float, tuple[Fraction, ...]]:
+        grid = [x + j for j in range(-HINDSIGHT_GRID, HINDSIGHT_GRID + 1) if valid(x + j)]
+        halves = [(a, b) for a in grid for b in grid]
         scores = mean_h(at, halves)
         a, b = halves[scores.index(min(scores))]
         best = (a, a, b, b)  # the same halves (quarters of steps not divisible by 4 differ)
@@ -239,8 +248,9 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
             trials = [
                 (*best[:i], k, *best[i + 1 :])
                 for i in range(4)
-                for k in near(best[i], HINDSIGHT_REACH[1])
-                if k != best[i]
+                for move in HINDSIGHT_MOVES
+                for k in (best[i] - move, best[i] + move)
+                if valid(k)
             ]
             scores = mean_h(at, trials)
             if min(scores) >= best_h - 1e-9:
@@ -251,8 +261,7 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
 
     found = [(*search(at), i) for i, at in enumerate(settings)]
     best_h, best, i = min(found)
-    at = settings[i]
-    return {"makespan_h": best_h, "splits": list(best), "setting": at}
+    return {"makespan_h": best_h, "splits": [float(k) for k in best], "setting": settings[i]}
 
 
 # --- the sweep ----------------------------------------------------------------------------
@@ -479,9 +488,10 @@ def fair(pool, cfg, report: dict, hindsight: bool = False) -> None:
                 if phased:
                     schedule = dict(phased["setting"])
                     schedule.pop("training_cells")  # the splits per quarter replace it
+                    splits = "[" + ", ".join(f"{k:.4g}" for k in phased["splits"]) + "]"
                     phased_text = (
                         f"; the hindsight split {phased['makespan_h']:.1f} h (cells training "
-                        f"per quarter {phased['splits']}, {setting_label('async', schedule)}): "
+                        f"per quarter {splits}, {setting_label('async', schedule)}): "
                         f"elastic {g['vs_hindsight_split']:.3f}x it"
                     )
                 print(

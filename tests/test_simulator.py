@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -686,12 +687,13 @@ def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split
     sim = SimConfig(cells=6, capacity=4, group_size=4, groups_per_step=2, steps=8, mu=1)
     sim = sim.replace(max_staleness=2, train_s_per_token=2e-2, tokens_mean=2e4)
     setting = {"mu": 1, "phi": 0, "lookahead": "gate", "training_cells": 2}
-    # One split for the whole run is async itself (the policy, an independent reference).
-    for seed in (0, 1):
+    # One split for the whole run is async itself (the policy, an independent reference),
+    # a fraction too.
+    for seed, split in ((0, 2), (1, 2), (0, 2.5)):
         seeded = sim.replace(seed=seed)
         trace = make_trace(seeded)
-        reference = simulate(seeded, "async", trace, training_cells=2, lookahead="gate")
-        phased = bench.run_phased((dict(vars(seeded)), setting, (2, 2, 2, 2)))
+        reference = simulate(seeded, "async", trace, training_cells=split, lookahead="gate")
+        phased = bench.run_phased((dict(vars(seeded)), setting, (split,) * 4))
         assert phased == pytest.approx(reference.makespan_s / HOUR, rel=1e-12)
     # A split that shrinks returns cells to rollout: 3 cells train, then 1.
     result = Simulator(sim, bench.PhasedSplit((3, 1), sim.steps, "gate"), make_trace(sim)).run()
@@ -714,7 +716,16 @@ def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split
     ]
     assert best["makespan_h"] <= fixed + 1e-9
     assert best["makespan_h"] == pytest.approx(np.mean(again), rel=1e-12)
-    assert all(1 <= k < sim.cells for k in best["splits"]) and len(best["splits"]) == 4
+    assert all(1 <= k and math.ceil(k) < sim.cells for k in best["splits"])
+    assert len(best["splits"]) == 4
+    # From a fractional best async: never worse than it, every split a sixth of a cell.
+    fraction = dict(setting, training_cells=2.5)
+    best = bench.hindsight_split(_SerialPool(), sim, fair, fraction)
+    fixed = np.mean(
+        [bench.run_phased((dict(vars(sim), seed=s), fraction, (2.5,) * 4)) for s in (0, 1)]
+    )
+    assert best["makespan_h"] <= fixed + 1e-9
+    assert all((6 * k) == pytest.approx(round(6 * k)) for k in best["splits"])
     # In the fair tables (at the gates with goals): beside the goals, against elastic.
     cfg = bench.load_config("configs/sim_paper.py:quick")
     cfg.sim.update(steps=4, group_size=2, groups_per_step=2, tokens_mean=1e4)

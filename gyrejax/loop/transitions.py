@@ -99,8 +99,8 @@ class Transitions:
         t0 = time.perf_counter()
         # Wait for the step to end, update included: the update donates the weights'
         # buffers, so they are copied only while no step runs (and none may start).
-        while ctx.step_task is not None:
-            await asyncio.sleep(0.01)
+        while (step := ctx.step_task) is not None:  # no new step starts meanwhile
+            await asyncio.wait({step})  # (a failed step fails the run elsewhere)
         ctx.phase[cell.index] = "switch"
         t1 = time.perf_counter()
         engine = self.rollout.engines[cell.index]

@@ -307,6 +307,13 @@ class Colocate:
         return Decision()
 
 
+def cells_at_step(training_cells: float, step: int) -> int:
+    """The whole cells that train step `step` under a split of `training_cells` (a
+    fraction alternates the whole splits around it, `Async`)."""
+    x = training_cells
+    return math.floor(x * (step + 1) + 1e-9) - math.floor(x * step + 1e-9)
+
+
 @register_policy("async")
 class Async:
     """A fixed split: the first `training_cells` cells train, the rest roll out.
@@ -334,8 +341,7 @@ class Async:
 
     def split(self, view: View) -> int:
         """Cells in training for the next step (exactly `training_cells` when whole)."""
-        x, t = self.training_cells, view.steps_done
-        return math.floor(x * (t + 1) + 1e-9) - math.floor(x * t + 1e-9)
+        return cells_at_step(self.training_cells, view.steps_done)
 
     def __call__(self, view: View) -> Decision:
         trainable = _trainable(view.cells)
