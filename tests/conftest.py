@@ -148,19 +148,19 @@ def start_engine_server(name: str, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 class HoldAfterTokens:
-    """Test hook: a JaxEngine's thread stops after its `n`-th generated token until the
-    test has posted its next command (an update, an export, a failure). A tiny model
-    decodes a whole budget in a few milliseconds, faster than a test can poll for it, so
-    "in flight" must be held, not raced."""
+    """Test hook: a JaxEngine's thread stops after the `n`-th token it generates from now
+    until the test has posted its next command (an update, an export, a cancel, a
+    failure). A tiny model decodes a whole budget in a few milliseconds, faster than a
+    test can poll for it, so "in flight" must be held, not raced."""
 
     def __init__(self, engine, n: int):
         self.engine = engine
         self._reached, self._released = threading.Event(), threading.Event()
-        emit = engine._emit
+        emit, at = engine._emit, engine.tokens_generated + n
 
         def emit_then_hold(*args):
             reason = emit(*args)
-            if engine.tokens_generated == n:
+            if engine.tokens_generated == at:
                 self._reached.set()
                 self._released.wait()
             return reason

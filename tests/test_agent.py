@@ -120,7 +120,9 @@ def test_out_of_turns_is_timed_out_and_scored_on_its_workspace(tmp_path):
 def test_wall_clock_timeout_cancels_in_flight_calls(tmp_path):
     task, writes = two_file_task()
     scripts = {"x": {"main": [writes[0]] + ["ls"] * 50, "sub": []}}
-    config = dataclasses.replace(CONFIG, timeout_s=0.5, max_turns=50)
+    # 2 s: the first call (0.2 s) and its write land even on a loaded machine; the 50
+    # calls (10 s) cannot.
+    config = dataclasses.replace(CONFIG, timeout_s=2.0, max_turns=50)
     execution, proxy = run_one(tmp_path, task, scripts, config=config, delay_s=0.2)
     assert execution.status == "timed_out" and 0 < execution.reward < 1
     assert proxy.counters().in_flight == {"scripted": 0} and proxy.counters().finished == 1

@@ -219,7 +219,7 @@ def test_malformed_engine_requests_are_refused_by_field_and_the_server_keeps_ser
             await remote.update_weights(tmp_path, 3)  # a scripted engine only takes the version
             proxy = Proxy([remote])
             call = asyncio.create_task(proxy.generate("x", "main", "main", PROMPT))
-            while not remote.request_ids():
+            while not engine.request_ids():  # on the server, not just sent
                 await asyncio.sleep(0.01)
             with pytest.raises(RuntimeError, match="in flight"):
                 await remote.release_memory()

@@ -134,18 +134,15 @@ def test_seeded_sampling_is_independent_of_batch_and_engine(model):
 )
 def test_kv_migration_continues_exactly(model, sampling):
     prompt = prompts(1, seed=2)[0]
-    # A long budget, as in the re-submit test below: "m" is exported about 10 tokens in
-    # and must not finish meanwhile (a batch-1 decode of this model takes well under a
-    # millisecond, and the export waits for the test's loop to get a core).
-    budget = 256 - 40
+    budget = 256 - 40  # "m" is exported 10 tokens in (the engine held there)
     sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": budget})
 
     async def body(a, b):
         reference = await a.submit(Request("ref", prompt, sampling))
+        hold = HoldAfterTokens(a, 10)
         future = a.submit(Request("m", prompt, sampling))
-        while a.tokens_generated < reference.output_ids.size + 10:
-            await asyncio.sleep(0.01)
-        live = await a.export("m")
+        await hold.reached()
+        live = await hold.meanwhile(a.export("m"))
         with pytest.raises(RequestMigrated):
             await future
         assert live.kv is not None and 0 < len(live.output_ids) < budget
@@ -160,16 +157,14 @@ def test_kv_migration_continues_exactly(model, sampling):
 
 def test_resubmit_migration_without_kv(model):
     prompt = prompts(1, seed=3)[0]
-    # A long budget: "m" is exported about 8 tokens in, and must not finish meanwhile
-    # even when the engine thread decodes on while the test's loop waits for a core.
     sampling = SamplingParams(temperature=0.0, max_new_tokens=256 - 40)
 
     async def body(a, b):
         reference = await a.submit(Request("ref", prompt, sampling))
+        hold = HoldAfterTokens(a, 8)  # "m" is exported 8 tokens in
         future = a.submit(Request("m", prompt, sampling))
-        while a.tokens_generated < reference.output_ids.size + 8:
-            await asyncio.sleep(0.01)
-        live = await a.export("m")
+        await hold.reached()
+        live = await hold.meanwhile(a.export("m"))
         with pytest.raises(RequestMigrated):
             await future
         return reference, await b.import_request(dataclasses.replace(live, kv=None))
@@ -217,10 +212,11 @@ def test_stop_ids_budgets_and_the_context_limit(model):
 
 def test_cancel_bad_requests_and_shutdown(model):
     async def body(engine):
+        hold = HoldAfterTokens(engine, 5)
         running = engine.submit(Request("c", [1, 2, 3], SamplingParams(max_new_tokens=10_000)))
-        while engine.tokens_generated < 5:
-            await asyncio.sleep(0.01)
+        await hold.reached()
         engine.cancel("c")
+        hold.release()
         cancelled = await running
         with pytest.raises(ValueError, match="token 500 outside"):
             engine.submit(Request("bad", [1, 500], GREEDY))
@@ -397,10 +393,10 @@ def test_precompiled_engines_never_compile_after_start(model):
         jax.monitoring.register_event_duration_secs_listener(listen)
         try:
             full = await a.submit(Request("full", prompt, greedy))
+            hold = HoldAfterTokens(a, 4)
             future = a.submit(Request("moved", prompt, greedy))
-            while a.tokens_generated < len(full.output_ids) + 4:
-                await asyncio.sleep(0.001)
-            live = await a.export("moved")
+            await hold.reached()
+            live = await hold.meanwhile(a.export("moved"))
             with pytest.raises(RequestMigrated):
                 await future
             # The same state as another kind of engine would export it (rows [KV, n, D],

@@ -390,6 +390,8 @@ def test_concurrent_executions_stay_separate_and_finish_cancels_in_flight():
         async with serving(scripted(answers, delay_s=0.05)) as (_, proxy, http):
             executions = await asyncio.gather(*(conversation(http, x) for x in ("a", "b")))
             # Finishing while a call is in flight cancels it; the call is still recorded.
+            # (Its answer would come in an hour: only the cancel can end it.)
+            proxy.engines()[0].delay_s = 3600
             key = await start(http, "c")
             hanging = asyncio.create_task(
                 http.post(

@@ -15,7 +15,7 @@ from gyrejax.model.transformer import init_model
 from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import NoEngineError, Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
-from gyrejax.rollout.types import SamplingParams
+from gyrejax.rollout.types import Request, SamplingParams
 
 CONFIG = ModelConfig(
     vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -128,7 +128,11 @@ def test_drain_migrates_in_flight_requests_invisibly(model, reference, cls):
 @pytest.mark.parametrize("failure", ["die", "hang"])
 def test_engine_failure_retries_elsewhere(model, reference, failure):
     async def body():
-        proxy = Proxy(engines(model), hang_timeout_s=0.5)
+        pool = engines(model)
+        # Every program compiled first: an engine compiling looks hung for the 0.5 s
+        # that flag the victim's hang, the survivor included.
+        await asyncio.gather(*(e.submit(Request("warm", PROMPT, LONG)) for e in pool))
+        proxy = Proxy(pool, hang_timeout_s=0.5)
         try:
             victim = proxy.engines()[0]
             hold = HoldAfterTokens(victim, 10)

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import jax
@@ -25,6 +24,7 @@ from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
 from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.loop import PublishedWeights, Runtime
+from gyrejax.loop.engines import Rollout
 from gyrejax.model.hf_io import export_hf, load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.policies import IDLE_CAUSES
@@ -277,15 +277,15 @@ def test_a_dead_external_engine_is_dropped_and_the_run_goes_on(tmp_path, monkeyp
         f"--max_seq_len={config.rollout.max_seq_len}", f"--max_slots={config.rollout.max_slots}",
     )  # fmt: skip
     transitions = workdir / "transitions.jsonl"
+    publish = Rollout.publish
 
-    def kill_after_the_first_publication():
-        while server.poll() is None:
-            if transitions.exists() and '"publish"' in transitions.read_text():
-                server.kill()
-            time.sleep(0.1)
+    async def publish_then_kill(rollout):  # the server dies right after the first one
+        await publish(rollout)
+        if server.poll() is None:
+            server.kill()
+            server.wait()
 
-    killer = threading.Thread(target=kill_after_the_first_publication, daemon=True)
-    killer.start()
+    monkeypatch.setattr(Rollout, "publish", publish_then_kill)
     try:
         c.rollout.engine_servers = (url,)
         config = from_dict(c)

@@ -155,31 +155,38 @@ def test_weight_reload_mid_flight_labels_every_token(server, checkpoints, models
     the tokens before the switch."""
     _, url = server
     # The longest budget the server allows, the reload asked for at the first token seen:
-    # the request must still run when the reload lands (under load it once did not).
+    # the request must still run when the reload lands. Under load it once did not; such
+    # a request tests nothing, so another is sent, reloading the other checkpoint back,
+    # at most three times in all.
     prompt, budget = PROMPTS[0], MAX_SEQ_LEN - len(PROMPTS[0]) - 1
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=budget)
 
     async def go():
         engine = await VllmServerEngine.connect(url, name="vllm-http", version=0)
-        request = Request("w", prompt, SamplingParams(temperature=0.0, max_new_tokens=budget))
-        future = engine.submit(request)
-        while not engine._streams["w"].output:
-            await asyncio.sleep(0.001)
-        await engine.update_weights(str(checkpoints[1]), 1)
-        completion = await future
+        held = 0  # the checkpoint the server serves (the module's server starts on 0)
+        for version in (1, 2, 3):
+            future = engine.submit(Request(f"w{version}", prompt, sampling))
+            while not engine._streams[f"w{version}"].output:
+                await asyncio.sleep(0.001)
+            await engine.update_weights(str(checkpoints[1 - held]), version)
+            completion = await future
+            if (completion.versions == version).any():
+                break
+            held = 1 - held  # it ended before the reload landed: again
         status = await engine.status()
         await engine.shutdown()
-        return completion, status
+        return completion, status, version, held
 
-    completion, status = run(go())
-    assert status["weight_version"] == "1"
+    completion, status, version, held = run(go())
+    assert status["weight_version"] == str(version)
     versions = completion.versions
-    switch = int(np.argmax(versions == 1))
-    assert 1 <= switch < budget
-    assert np.all(versions[:switch] == 0) and np.all(versions[switch:] == 1)
-    before, _ = reference(models[0], prompt, switch)
+    switch = int(np.argmax(versions == version))
+    assert 1 <= switch < budget, "the request ended before the reload, three times"
+    assert np.all(versions[:switch] == version - 1) and np.all(versions[switch:] == version)
+    before, _ = reference(models[held], prompt, switch)
     np.testing.assert_array_equal(completion.output_ids[:switch], before)
     context = list(prompt) + [int(t) for t in before]
-    after, after_logprobs = reference(models[1], context, budget - switch)
+    after, after_logprobs = reference(models[1 - held], context, budget - switch)
     np.testing.assert_array_equal(completion.output_ids[switch:], after)
     np.testing.assert_allclose(completion.logprobs[switch:], after_logprobs, atol=LOGPROB_ATOL)
 
