@@ -129,8 +129,8 @@ def test_drain_migrates_in_flight_requests_invisibly(model, reference, cls):
 def test_engine_failure_retries_elsewhere(model, reference, failure):
     async def body():
         pool = engines(model)
-        # Every program compiled first: an engine compiling looks hung for the 0.5 s
-        # that flag the victim's hang, the survivor included.
+        # Every program compiled first: the 0.5 s hang timeout that catches the victim
+        # would also catch an engine compiling (the survivor, at the retry).
         await asyncio.gather(*(e.submit(Request("warm", PROMPT, LONG)) for e in pool))
         proxy = Proxy(pool, hang_timeout_s=0.5)
         try:
