@@ -234,11 +234,8 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
         n = len(fair.seeds)
         return [float(np.mean(out[i : i + n])) for i in range(0, len(out), n)]
 
-    def valid(k: Fraction) -> bool:  # at least one cell trains, at least one rolls out
-        return k >= 1 and math.ceil(k) < sim.cells
-
     def search(at: dict) -> tuple[float, tuple[Fraction, ...]]:
-        grid = [x + j for j in range(-HINDSIGHT_GRID, HINDSIGHT_GRID + 1) if valid(x + j)]
+        grid = sorted([x, *moved_splits(x, range(1, HINDSIGHT_GRID + 1), sim.cells)])
         halves = [(a, b) for a in grid for b in grid]
         scores = mean_h(at, halves)
         a, b = halves[scores.index(min(scores))]
@@ -248,9 +245,7 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
             trials = [
                 (*best[:i], k, *best[i + 1 :])
                 for i in range(4)
-                for move in HINDSIGHT_MOVES
-                for k in (best[i] - move, best[i] + move)
-                if valid(k)
+                for k in moved_splits(best[i], HINDSIGHT_MOVES, sim.cells)
             ]
             scores = mean_h(at, trials)
             if min(scores) >= best_h - 1e-9:
@@ -291,6 +286,13 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
     return out
 
 
+def moved_splits(split: Fraction, moves, cells: int) -> list[Fraction]:
+    """`split` moved down and up by each of `moves` (in that order), keeping those that
+    train at least one cell and leave one rolling out on `cells` cells."""
+    moved = [split + sign * move for move in moves for sign in (-1, 1)]
+    return [k for k in moved if k >= 1 and math.ceil(k) < cells]
+
+
 def finer_splits(top: list[dict], sim: SimConfig) -> list[dict]:
     """Async settings beside the sweep's best: each split moved by 1/6, 1/4 and 1/3 of a
     cell (the sweep has wholes and halves only; on 8 cells 3.67 beat 3.5 by 2%),
@@ -299,15 +301,12 @@ def finer_splits(top: list[dict], sim: SimConfig) -> list[dict]:
     swept = {tuple(sorted(s.items())) for s in top}
     out = []
     for setting in top:
-        for step in (Fraction(1, 6), Fraction(1, 4), Fraction(1, 3)):
-            for sign in (-1, 1):
-                split = Fraction(setting["training_cells"]) + sign * step  # halves: exact
-                if split < 1 or math.ceil(split) >= sim.cells:
-                    continue
-                finer = dict(setting, training_cells=float(split))
-                if (key := tuple(sorted(finer.items()))) not in swept:
-                    swept.add(key)
-                    out.append(finer)
+        x = Fraction(setting["training_cells"])  # halves: exact
+        for split in moved_splits(x, (Fraction(1, 6), Fraction(1, 4), Fraction(1, 3)), sim.cells):
+            finer = dict(setting, training_cells=float(split))
+            if (key := tuple(sorted(finer.items()))) not in swept:
+                swept.add(key)
+                out.append(finer)
     return out
 
 
