@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -95,17 +94,31 @@ def assert_trees_close(a, b, rtol=1e-5):
     jax.tree.map(check, a, b)
 
 
-def joins_during_the_step(trainer, all_cells, join_after):
+def joins_during_the_step(trainer, all_cells, join_after, micro_steps):
     """An `on_micro_step` callback: once n micro-steps are done, for each n in
-    `join_after`, the next of `all_cells` joins the step."""
-    join_after, done = sorted(join_after), []
+    `join_after`, the next of `all_cells` joins the step. The worker that made a join
+    waits until the newcomer has done a micro-step, or none is left to do: else the other
+    workers could take every micro-step left while it pulls the weights (before the first
+    join only the core works, so the first newcomer always does one)."""
+    join_after, done, worked = sorted(join_after), [], set()
+    changed = threading.Condition()
 
     def on_micro_step(m, cell):
-        done.append(m)
-        while join_after and len(done) >= join_after[0]:
-            join_after.pop(0)
-            trainer.join(all_cells[len(trainer.training)])
-            time.sleep(0.3)  # hold this worker so the newcomer gets to claim
+        with changed:
+            done.append(m)
+            worked.add(cell.index)
+            changed.notify_all()
+            joining = []
+            while join_after and len(done) >= join_after[0]:
+                join_after.pop(0)
+                joining.append(all_cells[len(trainer.training)])
+                trainer.join(joining[-1])
+            for newcomer in joining:
+                arrived = changed.wait_for(
+                    lambda cell=newcomer: cell.index in worked or len(done) == micro_steps,
+                    timeout=120,
+                )
+                assert arrived, f"cell {newcomer.index} joined but never did a micro-step"
 
     return on_micro_step
 
@@ -125,7 +138,8 @@ def test_satellites_joining_mid_step_give_the_same_update():
         assert elastic.precompile(cell) > 0
 
     report = elastic.train_step(
-        batch, on_micro_step=joins_during_the_step(elastic, all_cells, join_after)
+        batch,
+        on_micro_step=joins_during_the_step(elastic, all_cells, join_after, batch.num_micro_steps),
     )
     assert len(elastic.training) == 4 and len(report.joins) == 3
     assert sum(report.micro_steps_per_cell.values()) == batch.num_micro_steps
@@ -306,7 +320,10 @@ def test_satellites_precompiled_for_every_row_shape_join_a_bucketed_step_mid_ste
         assert trainer.precompile(cell) > 0
     count = trainer.compile_count
     got = trainer.train_step(
-        bucketed, on_micro_step=joins_during_the_step(trainer, all_cells, [1, 2, 3])
+        bucketed,
+        on_micro_step=joins_during_the_step(
+            trainer, all_cells, [1, 2, 3], bucketed.num_micro_steps
+        ),
     )
     assert len(trainer.training) == 4 and len(got.joins) == 3 and not got.skipped
     assert sum(got.micro_steps_per_cell.values()) == bucketed.num_micro_steps
