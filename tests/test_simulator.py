@@ -627,7 +627,12 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         first = [bench.run_one((dict(vars(sim), seed=0), policy, s))["makespan_h"] for s in tried]
         assert r["per_seed_h"][0] in sorted(first)[: bench.TOP]
         assert r["over_bound"] >= 1 - 1e-9 and r["staleness_max"] <= 2 and r["over_stale"] == 0
-    assert set(entry["goals"]) == {"vs_async", "vs_colocate", "vs_bound", "lead_ceiling", "met"}
+    goals = entry["goals"]
+    assert set(goals) == {"vs_async", "vs_colocate", "vs_bound", "lead_ceiling", "met", "reachable"}
+    # A goal no policy could meet: the lead is at most the baseline over the bound.
+    assert goals["reachable"] == (rows["async"]["makespan_h"] / rows["elastic"]["bound_h"] >= 1.05)
+    if not goals["reachable"]:
+        assert not goals["met"]
     # Which term set each seed's bound: the largest, on that seed's trace.
     assert sum(entry["bound_set_by"].values()) == 2
     for seed in (0, 1):
@@ -680,6 +685,33 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "elastic vs the better baseline: 0.91x" in out and "colocate" not in out
     assert "| 6.5, 4.5, 18.7, 0.3 |" in out  # the trainer's side of the wall
+
+
+def test_goals_say_where_no_policy_could_meet_them():
+    bench = _schedule_bench()
+
+    def rows(elastic, async_, colocate, bound=100.0):
+        return {
+            p: {"makespan_h": h, "bound_h": bound, "over_bound": h / bound}
+            for p, h in (("elastic", elastic), ("async", async_), ("colocate", colocate))
+        }
+
+    # Drift at S = 8 as on 8 x 32 (stop 31): async only 1.088x the bound, so no policy
+    # keeping the gate could lead it by 1.10x; elastic at 1.048x the bound leads 1.038x.
+    g = bench.goals("drift", 8, rows(104.8, 108.8, 140.6))
+    assert g["vs_async"] == pytest.approx(108.8 / 104.8) and not g["met"]
+    assert g["reachable"] is False
+    assert bench.goal_verdict(g) == "NOT met (unreachable: no policy keeping S could)"
+    # Reachable but not met; met; colocate too close to the bound; no goal at S = 2.
+    g = bench.goals("static", 8, rows(114.7, 120.2, 150.9))
+    assert g["reachable"] and not g["met"] and bench.goal_verdict(g) == "NOT met"
+    assert bench.goal_verdict(bench.goals("static", 8, rows(110, 120, 150))) == "met"
+    assert bench.goal_verdict(bench.goals("mixed", 4, rows(105, 125, 118))) == (
+        "NOT met (unreachable: no policy keeping S could)"
+    )
+    met = bench.goals("mixed", 4, rows(105, 125, 130))
+    assert met["met"] and met["reachable"]
+    assert bench.goal_verdict(bench.goals("drift", 2, rows(105, 125, 130))) == "no goal"
 
 
 def test_hindsight_split_is_async_per_phase_and_never_worse_than_the_fixed_split(capsys):
