@@ -644,7 +644,26 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     bench.pareto_plot(report, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "best setting" in out and "gate limit" in out
+    assert "best setting" in out and "gate limit" in out and "train-all limit" in out
+    # The limits: free training and unlimited cells beat every cell training at the real
+    # cost beside unlimited rollout, which beats async with the cluster's cells only; the
+    # train-all limit is async with the cluster's cells training and enough rollout cells
+    # beside them that no execution waits for a slot (an independent run).
+    train_all = entry["train_all_limit_estimate_h"]
+    assert entry["gate_limit_estimate_h"] <= train_all <= rows["async"]["makespan_h"] + 1e-9
+    direct = []
+    for seed in (0, 1):
+        wide = sim.replace(seed=seed, cells=3 + 4 * 2 * 2 // 2)  # 4 steps x 2 x 2 executions
+        trace = make_trace(sim.replace(seed=seed))
+        direct.append(
+            min(
+                simulate(
+                    wide.replace(mu=mu), "async", trace, training_cells=3, lookahead="gate"
+                ).makespan_s
+                for mu in (1, 2)
+            )
+        )
+    assert train_all == pytest.approx(np.mean(direct) / HOUR, rel=1e-12)
     # The real runs' variants: every policy and cadence, async at every split; the
     # optional dispatch depths and cell capacities add elastic (and async) rows only.
     names = [name for name, _ in bench.real_variants()]
