@@ -628,7 +628,10 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         assert r["per_seed_h"][0] in sorted(first)[: bench.TOP]
         assert r["over_bound"] >= 1 - 1e-9 and r["staleness_max"] <= 2 and r["over_stale"] == 0
     goals = entry["goals"]
-    assert set(goals) == {"vs_async", "vs_colocate", "vs_bound", "lead_ceiling", "met", "reachable"}
+    assert set(goals) == {
+        *("vs_async", "vs_colocate", "vs_bound", "lead_ceiling"),
+        *("met", "reachable", "within_estimate"),
+    }
     # A goal no policy could meet: the lead is at most the baseline over the bound.
     assert goals["reachable"] == (rows["async"]["makespan_h"] / rows["elastic"]["bound_h"] >= 1.05)
     if not goals["reachable"]:
@@ -729,7 +732,21 @@ def test_goals_say_where_no_policy_could_meet_them():
         "NOT met (unreachable: no policy keeping S could)"
     )
     met = bench.goals("mixed", 4, rows(105, 125, 130))
-    assert met["met"] and met["reachable"]
+    assert met["met"] and met["reachable"] and met["within_estimate"] is None
+    # Reachable by the bound, out of reach by the train-all estimate: static 16 x 32 at
+    # S = 4 as stored, scaled to a bound of 100 (async 1.117x the bound, 1.043x the limit).
+    g = bench.goals("static", 4, rows(108.9, 111.7, 148.3), train_all_h=107.1)
+    assert g["reachable"] and g["within_estimate"] is False
+    assert bench.goal_verdict(g) == "NOT met (out of reach by the train-all estimate)"
+    # Mixed 16 x 32 at S = 8, scaled likewise: the limit leads async by 1.11x, but it is
+    # itself 1.42x the bound, so within 1.10x of the bound is out of reach; a limit near
+    # the bound would leave the goal open.
+    g = bench.goals("mixed", 8, rows(146.8, 157.7, 198.3), train_all_h=141.8)
+    assert g["reachable"] and g["within_estimate"] is False
+    assert bench.goals("mixed", 8, rows(146.8, 157.7, 198.3), 105.0)["within_estimate"]
+    assert bench.goal_verdict(bench.goals("mixed", 8, rows(146.8, 157.7, 198.3), 105.0)) == (
+        "NOT met"
+    )
     assert bench.goal_verdict(bench.goals("drift", 2, rows(105, 125, 130))) == "no goal"
 
 
