@@ -153,31 +153,12 @@ def run_one(job: tuple[dict, str, dict]) -> dict:
     return {**result.summary(), "setting": setting}
 
 
-def gate_limit_h(job: tuple[dict, tuple[int, ...], bool]) -> float:
-    """(SimConfig fields, cadences, training) -> an estimate, not a bound (a job of the
-    worker pool): async dispatching as deep as the gate allows, with unlimited slots, at
-    its best cadence among the cadences (those <= S + 1; at mu = 1 alone the estimate was
-    beaten, since the mixed workload at S = 2 and 4 runs best at mu = 2 for every policy).
-    `training` False: the gate's limit, with free training and switches; True: what
-    moving cells could at most reach, the cluster's cells all training at the real cost
-    beside rollout cells that hold every execution of the run at once."""
-    fields, cadences, training = job
-    sim = SimConfig(**fields)
-    if training:
-        executions = sim.steps * sim.groups_per_step * sim.group_size
-        rollout_cells = -(-executions // sim.capacity)
-        relaxed, split = sim.replace(cells=sim.cells + rollout_cells), sim.cells
-    else:
-        relaxed, split = (
-            sim.replace(
-                cells=sim.cells * 64,
-                capacity=sim.capacity * 64,
-                train_s_per_token=1e-12,
-                to_training_s=0.0,
-                to_rollout_s=0.0,
-            ),
-            1,
-        )
+def _async_limit_h(sim: SimConfig, relaxed: SimConfig, split: int, cadences) -> float:
+    """Async on `relaxed` (more resources than `sim`, on `sim`'s trace) with `split` cells
+    training, dispatching as deep as the gate allows, at its best cadence among the
+    cadences (those <= S + 1; at mu = 1 alone the gate's limit was beaten, since the mixed
+    workload at S = 2 and 4 runs best at mu = 2 for every policy): an estimate, not a
+    bound."""
     gate = sim.max_staleness
     return min(
         simulate(
@@ -187,6 +168,32 @@ def gate_limit_h(job: tuple[dict, tuple[int, ...], bool]) -> float:
         for mu in cadences
         if gate is None or mu - 1 <= gate
     )
+
+
+def gate_limit_h(job: tuple[dict, tuple[int, ...]]) -> float:
+    """(SimConfig fields, cadences) -> the gate's limit (a job of the worker pool):
+    `_async_limit_h` with unlimited slots and cells, free training and switches."""
+    fields, cadences = job
+    sim = SimConfig(**fields)
+    free = sim.replace(
+        cells=sim.cells * 64,
+        capacity=sim.capacity * 64,
+        train_s_per_token=1e-12,
+        to_training_s=0.0,
+        to_rollout_s=0.0,
+    )
+    return _async_limit_h(sim, free, 1, cadences)
+
+
+def train_all_limit_h(job: tuple[dict, tuple[int, ...]]) -> float:
+    """(SimConfig fields, cadences) -> the train-all limit (a job of the worker pool), what
+    moving cells could at most reach: `_async_limit_h` with the cluster's cells all
+    training at the real cost beside rollout cells that hold every execution at once."""
+    fields, cadences = job
+    sim = SimConfig(**fields)
+    executions = sim.steps * sim.groups_per_step * sim.group_size
+    rollout_cells = -(-executions // sim.capacity)
+    return _async_limit_h(sim, sim.replace(cells=sim.cells + rollout_cells), sim.cells, cadences)
 
 
 class PhasedSplit(Async):
@@ -419,7 +426,7 @@ def goals(workload: str, gate: int, rows: dict, train_all_h: float | None = None
     the goal: every makespan is at least the bound, so elastic's lead over a baseline is
     at most the baseline's mean makespan over the mean bound (the ratios here are of
     means). `within_estimate`: the same test against the train-all limit `train_all_h`
-    (an estimate, `gate_limit_h`: no policy that only moves the cluster's cells should
+    (an estimate, `train_all_limit_h`: no policy that only moves the cluster's cells should
     beat it); None without a goal or a limit."""
     e, a, c = (rows[p]["makespan_h"] for p in ("elastic", "async", "colocate"))
     bound = rows["elastic"]["bound_h"]  # the same for every policy (trace and gate)
@@ -493,19 +500,11 @@ def fair(pool, cfg, report: dict, hindsight: bool = False) -> None:
                 )
                 start = time.perf_counter()
                 rows = tune(pool, sim, cfg.fair)
-                limits = pool.map(
-                    gate_limit_h,
-                    [
-                        (dict(vars(sim), seed=s), cfg.fair.cadences, training)
-                        for training in (False, True)
-                        for s in cfg.fair.seeds
-                    ],
-                )
-                seeds = len(cfg.fair.seeds)
-                train_all = float(np.mean(limits[seeds:]))
+                jobs = [(dict(vars(sim), seed=s), cfg.fair.cadences) for s in cfg.fair.seeds]
+                train_all = float(np.mean(pool.map(train_all_limit_h, jobs)))
                 entry = {
                     "policies": rows,
-                    "gate_limit_estimate_h": float(np.mean(limits[:seeds])),
+                    "gate_limit_estimate_h": float(np.mean(pool.map(gate_limit_h, jobs))),
                     "train_all_limit_estimate_h": train_all,
                     "bound_set_by": binding_terms(sim, cfg.fair.seeds),
                     "goals": goals(workload, gate, rows, train_all),
