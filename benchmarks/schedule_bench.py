@@ -3,6 +3,7 @@
 Usage:
   python benchmarks/schedule_bench.py [--quick] [--json PATH] [--config PATH[:variant]]
                                       [--plot PATH] [--sensitivity] [--hindsight]
+                                      [--cell_size]
                                       [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
@@ -45,7 +46,11 @@ policy:
   best setting, or any cadence) with a split that changes per quarter of the run, searched
   on the very traces it is scored on (`hindsight_split`: it shows whether the best split
   moves over the run, and whether alternating two splits beats both; not a policy anyone
-  could run, since it knows the run in advance). Adds about 15 minutes on 2 cores.
+  could run, since it knows the run in advance). Adds about 15 minutes on 2 cores;
+  `--cell_size` (at S = 4 and 8): every workload and shape again with cells half as big,
+  as many slots and the same training compute (`smaller_cells`), each policy re-tuned: a
+  waterlevel moves whole cells, so up to a cell's slots stay free in rollout; this shows
+  what that costs each policy (works with --no-sim: then both shapes are tuned here).
 
 `--real` runs the three policies (async over every split) as real tiny CPU runs of equal
 work, in two regimes (compute-bound: today's tiny_cpu; latency-bound: tool calls that
@@ -678,6 +683,82 @@ def sensitivity(pool, cfg, report: dict) -> None:
             )
 
 
+def smaller_cells(sim: SimConfig, factor: int = 2) -> SimConfig:
+    """The same cluster in cells `factor` times smaller: `factor` times as many cells, each
+    with 1/factor of the slots and of the training compute (so a token costs `factor`
+    times the cell-seconds); the same switch costs, trace and bound."""
+    if sim.capacity % factor:
+        raise ValueError(
+            f"sim.capacity={sim.capacity}: smaller cells by {factor} need a multiple of it"
+        )
+    if sim.load_model or not sim.train_parallel:
+        raise ValueError(
+            f"smaller cells: sim.decode_cores={sim.decode_cores}, sim.train_parallel="
+            f"{sim.train_parallel}; only the plain model (decode_cores 0, train_parallel) "
+            "scales with the cell"
+        )
+    return sim.replace(
+        cells=sim.cells * factor,
+        capacity=sim.capacity // factor,
+        train_s_per_token=sim.train_s_per_token * factor,
+    )
+
+
+def cell_size(pool, cfg, report: dict) -> None:
+    """Does the cell's size hold elastic back? At the gates with goals, every workload and
+    shape again in cells half as big (`smaller_cells`: the same slots and compute), each
+    policy re-tuned, beside the fair tables' rows (tuned here when `report` has none). A
+    waterlevel moves whole cells, so up to a cell's slots stay free in rollout (the gate
+    column of the idle). On either shape elastic is held against each baseline at its
+    better shape: the baselines may choose their cell size too."""
+    base = SimConfig.from_dict(cfg.sim.to_dict())
+    gates = [g for g in cfg.fair.gates if g in HINDSIGHT_GATES]
+    print("\n### cell size: the same cluster in cells half as big (same slots and compute)\n")
+    print(
+        "| workload | cells | S | elastic h | best async h (setting, cells) | colocate h "
+        "| elastic vs async | vs colocate | elastic / bound | goal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    report["cell_size"] = {}
+    for workload in cfg.fair.workloads:
+        for cells, slots in cfg.fair.shapes:
+            key = f"{workload} {cells}x{slots}"
+            for gate in gates:
+                sim = base.replace(
+                    cells=cells,
+                    capacity=slots,
+                    max_staleness=gate,
+                    mu=1,
+                    **cfg.workloads[workload].to_dict(),
+                )
+                small = smaller_cells(sim)
+                fair_rows = report.get("fair", {}).get(key, {}).get(gate, {}).get("policies")
+                by_shape = {
+                    f"{cells}x{slots}": fair_rows or tune(pool, sim, cfg.fair),
+                    f"{small.cells}x{small.capacity}": tune(pool, small, cfg.fair),
+                }
+                entry = {"policies": by_shape, "goals": {}, "baselines_from": {}}
+                for shape, rows in by_shape.items():
+                    # Each baseline at its better shape; elastic at this one.
+                    held = {"elastic": rows["elastic"]}
+                    for policy in ("async", "colocate"):
+                        best = min(by_shape, key=lambda k: by_shape[k][policy]["makespan_h"])
+                        held[policy] = by_shape[best][policy]
+                        entry["baselines_from"].setdefault(shape, {})[policy] = best
+                    g = goals(workload, gate, held)
+                    entry["goals"][shape] = g
+                    a, from_shape = held["async"], entry["baselines_from"][shape]["async"]
+                    print(
+                        f"| {workload} | {shape} | {gate} | {rows['elastic']['makespan_h']:.1f} "
+                        f"| {a['makespan_h']:.1f} ({setting_label('async', a['setting'])}, "
+                        f"{from_shape}) | {held['colocate']['makespan_h']:.1f} "
+                        f"| {g['vs_async']:.3f}x | {g['vs_colocate']:.2f}x | {g['vs_bound']:.3f} "
+                        f"| {goal_verdict(g)} |",
+                        flush=True,
+                    )
+                report["cell_size"][f"{key} S={gate}"] = entry
+
+
 # --- real runs and calibration ------------------------------------------------------------
 
 
@@ -999,6 +1080,11 @@ def main() -> None:
     parser.add_argument("--plot", default="schedule_pareto.png")
     parser.add_argument("--sensitivity", action="store_true")
     parser.add_argument(
+        "--cell_size",
+        action="store_true",
+        help="also every goal's case in cells half as big (the same slots and compute)",
+    )
+    parser.add_argument(
         "--hindsight",
         action="store_true",
         help="also the best split that changes per quarter of the run, chosen in hindsight",
@@ -1088,6 +1174,8 @@ def main() -> None:
             print(f"\nPareto plot: {args.plot}")
             if args.sensitivity:
                 sensitivity(pool, cfg, report)
+        if args.cell_size:
+            cell_size(pool, cfg, report)
     if args.real:
         report["real"] = real_runs(args)
         reward_plot(report["real"], Path(args.reward_plot))

@@ -709,6 +709,69 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     assert "| 6.5, 4.5, 18.7, 0.3 |" in out  # the trainer's side of the wall
 
 
+def test_smaller_cells_are_the_same_cluster_and_the_section_tunes_both(capsys):
+    bench = _schedule_bench()
+    sim = SimConfig(
+        cells=3,
+        capacity=2,
+        steps=4,
+        group_size=2,
+        groups_per_step=2,
+        duration_median_s=HOUR,
+        timeout_s=3 * HOUR,
+        tokens_mean=1e4,
+        train_s_per_token=0.05,
+        max_staleness=2,
+        to_training_s=0.0,
+        to_rollout_s=0.0,
+    )
+    small = bench.smaller_cells(sim)
+    assert (small.cells, small.capacity, small.train_s_per_token) == (6, 1, 0.1)
+    # The same slots and compute: the bound is unchanged, and without switch costs a
+    # policy that moves no cell takes exactly as long (async training the same share).
+    trace = make_trace(sim)
+    assert makespan_bound_s(small, trace) == pytest.approx(makespan_bound_s(sim, trace))
+    for policy, split in (("colocate", None), ("async", 1)):
+        options = {} if split is None else {"training_cells": split}
+        small_options = {} if split is None else {"training_cells": 2 * split}
+        assert simulate(small, policy, trace, **small_options).makespan_s == pytest.approx(
+            simulate(sim, policy, trace, **options).makespan_s, rel=1e-12
+        )
+    with pytest.raises(ValueError, match=r"sim.capacity=3: smaller cells by 2"):
+        bench.smaller_cells(sim.replace(capacity=3))
+    with pytest.raises(ValueError, match=r"sim.decode_cores=2.0"):
+        bench.smaller_cells(sim.replace(decode_cores=2.0))
+    # The section: every goal's gate, both shapes tuned, the smaller one's goals beside.
+    cfg = bench.load_config("configs/sim_paper.py:quick")
+    cfg.sim.update(
+        {k: getattr(sim, k) for k in ("steps", "group_size", "groups_per_step", "timeout_s")}
+    )
+    cfg.sim.update(duration_median_s=HOUR, tokens_mean=1e4, train_s_per_token=0.05)
+    cfg.fair.update(shapes=((3, 2),), gates=(2, 4), seeds=(0,), workloads=("static",))
+    report = {}
+    bench.cell_size(_SerialPool(), cfg, report)
+    assert list(report["cell_size"]) == ["static 3x2 S=4"]
+    entry = report["cell_size"]["static 3x2 S=4"]
+    assert list(entry["policies"]) == ["3x2", "6x1"]
+    quick = SimConfig.from_dict(cfg.sim.to_dict()).replace(
+        cells=3, capacity=2, max_staleness=4, mu=1
+    )
+    for shape, rows in entry["policies"].items():
+        tuned = quick if shape == "3x2" else bench.smaller_cells(quick)
+        want = bench.tune(_SerialPool(), tuned, cfg.fair)
+        for policy in bench.POLICIES:
+            assert rows[policy]["makespan_h"] == want[policy]["makespan_h"]
+    # Elastic on each shape against each baseline's better shape.
+    for shape, g in entry["goals"].items():
+        elastic = entry["policies"][shape]["elastic"]["makespan_h"]
+        for policy in ("async", "colocate"):
+            best = min(rows[policy]["makespan_h"] for rows in entry["policies"].values())
+            assert g[f"vs_{policy}"] == pytest.approx(best / elastic)
+        assert g["met"] is not None
+    out = capsys.readouterr().out
+    assert "| static | 3x2 | 4 |" in out and "| static | 6x1 | 4 |" in out
+
+
 def test_goals_say_where_no_policy_could_meet_them():
     bench = _schedule_bench()
 
