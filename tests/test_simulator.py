@@ -570,18 +570,22 @@ class _SerialPool:  # the benchmark's process pool, in this process
     map = staticmethod(lambda f, jobs: list(map(f, jobs)))
 
 
+# A benchmark small enough to tune in a test: 4 steps of 2 groups of 2 hour-long runs.
+_TINY_BENCH = dict(
+    steps=4,
+    group_size=2,
+    groups_per_step=2,
+    duration_median_s=HOUR,
+    timeout_s=3 * HOUR,
+    tokens_mean=1e4,
+    train_s_per_token=0.05,
+)
+
+
 def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     bench = _schedule_bench()
     cfg = bench.load_config("configs/sim_paper.py:quick")
-    cfg.sim.update(
-        steps=4,
-        group_size=2,
-        groups_per_step=2,
-        duration_median_s=HOUR,
-        timeout_s=3 * HOUR,
-        tokens_mean=1e4,
-        train_s_per_token=0.05,
-    )
+    cfg.sim.update(_TINY_BENCH)
     cfg.fair.update(shapes=((3, 2),), gates=(1, 2), seeds=(0, 1), workloads=("static",))
 
     report = {}
@@ -712,18 +716,7 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
 def test_smaller_cells_are_the_same_cluster_and_the_section_tunes_both(capsys):
     bench = _schedule_bench()
     sim = SimConfig(
-        cells=3,
-        capacity=2,
-        steps=4,
-        group_size=2,
-        groups_per_step=2,
-        duration_median_s=HOUR,
-        timeout_s=3 * HOUR,
-        tokens_mean=1e4,
-        train_s_per_token=0.05,
-        max_staleness=2,
-        to_training_s=0.0,
-        to_rollout_s=0.0,
+        cells=3, capacity=2, max_staleness=2, to_training_s=0.0, to_rollout_s=0.0, **_TINY_BENCH
     )
     small = bench.smaller_cells(sim)
     assert (small.cells, small.capacity, small.train_s_per_token) == (6, 1, 0.1)
@@ -743,10 +736,7 @@ def test_smaller_cells_are_the_same_cluster_and_the_section_tunes_both(capsys):
         bench.smaller_cells(sim.replace(decode_cores=2.0))
     # The section: every goal's gate, both shapes tuned, the smaller one's goals beside.
     cfg = bench.load_config("configs/sim_paper.py:quick")
-    cfg.sim.update(
-        {k: getattr(sim, k) for k in ("steps", "group_size", "groups_per_step", "timeout_s")}
-    )
-    cfg.sim.update(duration_median_s=HOUR, tokens_mean=1e4, train_s_per_token=0.05)
+    cfg.sim.update(_TINY_BENCH)
     cfg.fair.update(shapes=((3, 2),), gates=(2, 4), seeds=(0,), workloads=("static",))
     report = {}
     bench.cell_size(_SerialPool(), cfg, report)
