@@ -72,13 +72,33 @@ def _quiet_orbax(record) -> bool:
     return record.levelno >= logging.WARNING or "orbax" not in record.pathname
 
 
+def _ignored(error: BaseException) -> str:
+    """One line for an exception the run can only ignore."""
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    return f"gyrejax.launch: ignored {type(error).__name__}: {text}"
+
+
 def _one_line_unraisable(unraisable) -> None:
     """An exception Python can only ignore (Orbax's read coroutines, left pending when a
     damaged checkpoint fails a restore, raise as they are collected): one line on
     stderr, not a traceback that buries the run's own one-line error."""
-    error = unraisable.exc_value
-    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    sys.stderr.write(f"gyrejax.launch: ignored {type(error).__name__}: {text}\n")
+    sys.stderr.write(_ignored(unraisable.exc_value) + "\n")
+
+
+def _one_line_orbax_task(record) -> bool:
+    """The same read coroutines as tasks, collected while their loop runs: asyncio logs
+    "Task exception was never retrieved" with the traceback; one line instead. Other
+    tasks' exceptions keep their traceback."""
+    error = record.exc_info[1] if record.exc_info else None
+    frames = []
+    trace = error.__traceback__ if error is not None else None
+    while trace is not None:
+        frames.append(trace.tb_frame.f_code.co_filename)
+        trace = trace.tb_next
+    if any("orbax" in name for name in frames):
+        record.msg, record.args = _ignored(error), ()
+        record.exc_info = record.exc_text = None
+    return True
 
 
 def main(argv: list[str]) -> None:
@@ -86,6 +106,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     absl_logging.get_absl_handler().addFilter(_quiet_orbax)
     sys.unraisablehook = _one_line_unraisable
+    logging.getLogger("asyncio").addFilter(_one_line_orbax_task)
     from gyrejax import preflight
     from gyrejax.config import ConfigError, from_dict
 

@@ -1,6 +1,9 @@
 """End-to-end smoke test of the real launch path, and its one-line errors."""
 
+import asyncio
+import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -198,6 +201,40 @@ def test_unreadable_checkpoints_are_one_clear_line_and_stay_where_they_are(tmp_p
     assert last.startswith(f"gyrejax.launch: no readable checkpoint under {tmp_path}"), last
     assert "step 2: " in last and "step 1: " in last
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_an_orbax_task_nobody_retrieved_is_one_line_under_launch(caplog):
+    """The same coroutines as tasks, collected while their loop still runs: asyncio logs
+    "Task exception was never retrieved" with a traceback (CI saw it once in the
+    damaged-checkpoint test above). Launch's filter makes an Orbax task's one line; any
+    other task's keeps its traceback."""
+    from gyrejax.launch import _one_line_orbax_task
+
+    orbax = {}  # a coroutine whose code lives in Orbax, as the read coroutines' does
+    source = "async def read():\n    raise Exception('Encountered error while reading\\nspec')\n"
+    exec(compile(source, "/site-packages/orbax/checkpoint/serialization.py", "exec"), orbax)
+
+    async def ours():
+        raise ValueError("a bug of our own")
+
+    async def leave_unretrieved():
+        for coroutine in (orbax["read"](), ours()):
+            task = asyncio.ensure_future(coroutine)
+            await asyncio.sleep(0)  # it runs and fails; nobody asks for its exception
+            del task
+            gc.collect()  # collected while the loop runs: asyncio logs it
+
+    logger = logging.getLogger("asyncio")
+    logger.addFilter(_one_line_orbax_task)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run(leave_unretrieved())
+    finally:
+        logger.removeFilter(_one_line_orbax_task)
+    read, own = [r for r in caplog.records if r.name == "asyncio"]
+    assert read.getMessage() == "gyrejax.launch: ignored Exception: Encountered error while reading"
+    assert read.exc_info is None and "Traceback" not in caplog.text.split("a bug of our own")[0]
+    assert "never retrieved" in own.getMessage() and own.exc_info[0] is ValueError
 
 
 def test_an_exception_python_can_only_ignore_is_one_line_under_launch(monkeypatch, capsys):
