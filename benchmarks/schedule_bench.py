@@ -3,7 +3,7 @@
 Usage:
   python benchmarks/schedule_bench.py [--quick] [--json PATH] [--config PATH[:variant]]
                                       [--plot PATH] [--sensitivity] [--hindsight]
-                                      [--cell_size]
+                                      [--cell_size [FACTORS]]
                                       [--workers N]
                                       [--real] [--real_steps N] [--real_warm DIR]
                                       [--real_workdir DIR] [--real_regimes compute,latency]
@@ -47,10 +47,11 @@ policy:
   on the very traces it is scored on (`hindsight_split`: it shows whether the best split
   moves over the run, and whether alternating two splits beats both; not a policy anyone
   could run, since it knows the run in advance). Adds about 15 minutes on 2 cores;
-  `--cell_size` (at S = 4 and 8): every workload and shape again with cells half as big,
-  as many slots and the same training compute (`smaller_cells`), each policy re-tuned: a
-  waterlevel moves whole cells, so up to a cell's slots stay free in rollout; this shows
-  what that costs each policy (works with --no-sim: then both shapes are tuned here).
+  `--cell_size [2,4]` (at S = 4 and 8): every workload and shape again with cells 2 (and
+  4) times smaller, as many slots and the same training compute (`smaller_cells`), each
+  policy re-tuned: a waterlevel moves whole cells, so up to a cell's slots stay free in
+  rollout; this shows what that costs each policy (works with --no-sim: then every
+  shape is tuned here). Halves add about 8 minutes on 2 cores, quarters more.
 
 `--real` runs the three policies (async over every split) as real tiny CPU runs of equal
 work, in two regimes (compute-bound: today's tiny_cpu; latency-bound: tool calls that
@@ -704,16 +705,17 @@ def smaller_cells(sim: SimConfig, factor: int = 2) -> SimConfig:
     )
 
 
-def cell_size(pool, cfg, report: dict) -> None:
+def cell_size(pool, cfg, report: dict, factors: tuple[int, ...] = (2,)) -> None:
     """Does the cell's size hold elastic back? At the gates with goals, every workload and
-    shape again in cells half as big (`smaller_cells`: the same slots and compute), each
-    policy re-tuned, beside the fair tables' rows (tuned here when `report` has none). A
-    waterlevel moves whole cells, so up to a cell's slots stay free in rollout (the gate
-    column of the idle). On either shape elastic is held against each baseline at its
-    better shape: the baselines may choose their cell size too."""
+    shape again in cells `factors` times smaller (`smaller_cells`: the same slots and
+    compute), each policy re-tuned, beside the fair tables' rows (tuned here when
+    `report` has none). A waterlevel moves whole cells, so up to a cell's slots stay free
+    in rollout (the gate column of the idle). On every shape elastic is held against each
+    baseline at its best shape: the baselines may choose their cell size too."""
     base = SimConfig.from_dict(cfg.sim.to_dict())
     gates = [g for g in cfg.fair.gates if g in HINDSIGHT_GATES]
-    print("\n### cell size: the same cluster in cells half as big (same slots and compute)\n")
+    smaller = ", ".join(f"{f}x" for f in factors)
+    print(f"\n### cell size: the same cluster in cells {smaller} smaller (same slots, compute)\n")
     print(
         "| workload | cells | S | elastic h | best async h (setting, cells) | colocate h "
         "| elastic vs async | vs colocate | elastic / bound | goal |"
@@ -731,15 +733,14 @@ def cell_size(pool, cfg, report: dict) -> None:
                     mu=1,
                     **cfg.workloads[workload].to_dict(),
                 )
-                small = smaller_cells(sim)
                 fair_rows = report.get("fair", {}).get(key, {}).get(gate, {}).get("policies")
-                by_shape = {
-                    f"{cells}x{slots}": fair_rows or tune(pool, sim, cfg.fair),
-                    f"{small.cells}x{small.capacity}": tune(pool, small, cfg.fair),
-                }
+                by_shape = {f"{cells}x{slots}": fair_rows or tune(pool, sim, cfg.fair)}
+                for factor in factors:
+                    small = smaller_cells(sim, factor)
+                    by_shape[f"{small.cells}x{small.capacity}"] = tune(pool, small, cfg.fair)
                 entry = {"policies": by_shape, "goals": {}, "baselines_from": {}}
                 for shape, rows in by_shape.items():
-                    # Each baseline at its better shape; elastic at this one.
+                    # Each baseline at its best shape; elastic at this one.
                     held = {"elastic": rows["elastic"]}
                     for policy in ("async", "colocate"):
                         best = min(by_shape, key=lambda k: by_shape[k][policy]["makespan_h"])
@@ -1081,8 +1082,11 @@ def main() -> None:
     parser.add_argument("--sensitivity", action="store_true")
     parser.add_argument(
         "--cell_size",
-        action="store_true",
-        help="also every goal's case in cells half as big (the same slots and compute)",
+        nargs="?",
+        const="2",
+        default=None,
+        help="also every goal's case in cells this many times smaller (the same slots and "
+        "compute): 2 (alone: --cell_size), or several, e.g. 2,4",
     )
     parser.add_argument(
         "--hindsight",
@@ -1164,6 +1168,17 @@ def main() -> None:
         )
     spec = args.config or ("configs/sim_paper.py:quick" if args.quick else "configs/sim_paper.py")
     cfg = load_config(spec)
+    factors = ()
+    if args.cell_size:  # checked before the fair tables' half hour, not after it
+        try:
+            factors = tuple(int(f) for f in args.cell_size.split(","))
+        except ValueError:
+            factors = (0,)
+        if min(factors) < 2 or any(slots % f for _, slots in cfg.fair.shapes for f in factors):
+            parser.error(
+                f"--cell_size {args.cell_size}: expected factors >= 2 that divide every "
+                f"shape's slots {[slots for _, slots in cfg.fair.shapes]}, e.g. 2,4"
+            )
     report = {"config": spec, "quick": args.quick}
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         if args.sim:
@@ -1174,8 +1189,8 @@ def main() -> None:
             print(f"\nPareto plot: {args.plot}")
             if args.sensitivity:
                 sensitivity(pool, cfg, report)
-        if args.cell_size:
-            cell_size(pool, cfg, report)
+        if factors:
+            cell_size(pool, cfg, report, factors)
     if args.real:
         report["real"] = real_runs(args)
         reward_plot(report["real"], Path(args.reward_plot))

@@ -734,24 +734,23 @@ def test_smaller_cells_are_the_same_cluster_and_the_section_tunes_both(capsys):
         bench.smaller_cells(sim.replace(capacity=3))
     with pytest.raises(ValueError, match=r"sim.decode_cores=2.0"):
         bench.smaller_cells(sim.replace(decode_cores=2.0))
-    # The section: every goal's gate, both shapes tuned, the smaller one's goals beside.
+    # The section: every goal's gate, every shape tuned, each baseline at its best shape.
     cfg = bench.load_config("configs/sim_paper.py:quick")
     cfg.sim.update(_TINY_BENCH)
-    cfg.fair.update(shapes=((3, 2),), gates=(2, 4), seeds=(0,), workloads=("static",))
+    cfg.fair.update(shapes=((3, 4),), gates=(2, 4), seeds=(0,), workloads=("static",))
     report = {}
-    bench.cell_size(_SerialPool(), cfg, report)
-    assert list(report["cell_size"]) == ["static 3x2 S=4"]
-    entry = report["cell_size"]["static 3x2 S=4"]
-    assert list(entry["policies"]) == ["3x2", "6x1"]
+    bench.cell_size(_SerialPool(), cfg, report, factors=(2, 4))
+    assert list(report["cell_size"]) == ["static 3x4 S=4"]
+    entry = report["cell_size"]["static 3x4 S=4"]
+    assert list(entry["policies"]) == ["3x4", "6x2", "12x1"]
     quick = SimConfig.from_dict(cfg.sim.to_dict()).replace(
-        cells=3, capacity=2, max_staleness=4, mu=1
+        cells=3, capacity=4, max_staleness=4, mu=1
     )
-    for shape, rows in entry["policies"].items():
-        tuned = quick if shape == "3x2" else bench.smaller_cells(quick)
+    for shape, factor in zip(entry["policies"], (1, 2, 4), strict=True):
+        tuned = quick if factor == 1 else bench.smaller_cells(quick, factor)
         want = bench.tune(_SerialPool(), tuned, cfg.fair)
         for policy in bench.POLICIES:
-            assert rows[policy]["makespan_h"] == want[policy]["makespan_h"]
-    # Elastic on each shape against each baseline's better shape.
+            assert entry["policies"][shape][policy]["makespan_h"] == want[policy]["makespan_h"]
     for shape, g in entry["goals"].items():
         elastic = entry["policies"][shape]["elastic"]["makespan_h"]
         for policy in ("async", "colocate"):
@@ -759,7 +758,7 @@ def test_smaller_cells_are_the_same_cluster_and_the_section_tunes_both(capsys):
             assert g[f"vs_{policy}"] == pytest.approx(best / elastic)
         assert g["met"] is not None
     out = capsys.readouterr().out
-    assert "| static | 3x2 | 4 |" in out and "| static | 6x1 | 4 |" in out
+    assert all(f"| static | {shape} | 4 |" in out for shape in ("3x4", "6x2", "12x1"))
 
 
 def test_goals_say_where_no_policy_could_meet_them():
