@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import traceback
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -90,12 +91,8 @@ def _one_line_orbax_task(record) -> bool:
     "Task exception was never retrieved" with the traceback; one line instead. Other
     tasks' exceptions keep their traceback."""
     error = record.exc_info[1] if record.exc_info else None
-    frames = []
-    trace = error.__traceback__ if error is not None else None
-    while trace is not None:
-        frames.append(trace.tb_frame.f_code.co_filename)
-        trace = trace.tb_next
-    if any("orbax" in name for name in frames):
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    if any("orbax" in frame.filename for frame in frames):
         record.msg, record.args = _ignored(error), ()
         record.exc_info = record.exc_text = None
     return True
