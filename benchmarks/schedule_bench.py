@@ -24,10 +24,11 @@ policy:
       each policy at its own best publication cadence mu, dispatch depth phi (with
       lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
       (whole, or halfway between two: their cells alternating per step; then beside
-      async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell): all swept on the
-      first seed, the best three settings of each policy re-run on every seed, the best
-      mean kept. Columns: the setting, makespan (mean over seeds), the
-      bound valid for any cadence (`makespan_bound_s`), makespan / bound, measured
+      async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell; beside elastic's
+      best three, the same with `overcommit` 0.25 and 0.5): all swept on the first
+      seed, the best three settings of each policy re-run on every seed, the best mean
+      kept. Columns: the setting, makespan (mean over seeds), the bound valid for any
+      cadence (`makespan_bound_s`), makespan / bound, measured
       staleness (max, mean; a group's staleness is the trainer's version when it is
       trained minus the version it was dispatched with, i.e. its oldest tokens'), idle
       cell-hours by cause, and each policy over elastic; then the term of the bound that
@@ -337,11 +338,31 @@ def finer_splits(top: list[dict], sim: SimConfig) -> list[dict]:
     return out
 
 
+# Elastic's overcommit (a share of a cell's slots; policies.Elastic) tried beside its best.
+OVERCOMMITS = (0.25, 0.5)
+
+
+def overcommitted(top: list[dict]) -> list[dict]:
+    """Elastic settings beside the sweep's best: each with every `OVERCOMMITS` (the
+    waterlevel leaving up to that share of a cell's slots unserved while training is
+    behind), at the same cadence and dispatch rule."""
+    return [dict(setting, overcommit=share) for setting in top for share in OVERCOMMITS]
+
+
+def beside_best(policy: str, top: list[dict], sim: SimConfig) -> list[dict]:
+    """The settings tried beside a policy's best `TOP` on the first seed."""
+    if policy == "async":
+        return finer_splits(top, sim)
+    if policy == "elastic":
+        return overcommitted(top)
+    return []
+
+
 def tune(pool, sim: SimConfig, fair) -> dict:
-    """Each policy's best setting under `sim`'s gate: all settings on the first seed (for
-    async also `finer_splits` beside its best `TOP`), the best `TOP` on every seed; the
-    best mean makespan wins. Returns per policy the setting, its runs (one per seed) and
-    the mean of their summaries."""
+    """Each policy's best setting under `sim`'s gate: all settings on the first seed (and
+    `beside_best` its best `TOP`: async's finer splits, elastic's overcommit), the best
+    `TOP` on every seed; the best mean makespan wins. Returns per policy the setting, its
+    runs (one per seed) and the mean of their summaries."""
     seeds = list(fair.seeds)
     base = dict(vars(sim), seed=seeds[0])
     jobs = [(base, p, s) for p in POLICIES for s in settings(p, sim, fair)]
@@ -350,9 +371,8 @@ def tune(pool, sim: SimConfig, fair) -> dict:
     for policy in POLICIES:
         runs = [r for (_, p, _), r in zip(jobs, first, strict=True) if p == policy]
         runs.sort(key=lambda r: r["makespan_h"])
-        if policy == "async":  # and beside its best, finer splits
-            finer = finer_splits([r["setting"] for r in runs[:TOP]], sim)
-            runs += pool.map(run_one, [(base, policy, s) for s in finer])
+        if beside := beside_best(policy, [r["setting"] for r in runs[:TOP]], sim):
+            runs += pool.map(run_one, [(base, policy, s) for s in beside])
             runs.sort(key=lambda r: r["makespan_h"])
         candidates = runs[:TOP]
         more = [
@@ -401,6 +421,8 @@ def setting_label(policy: str, setting: dict) -> str:
             parts.append(f"phi={setting['phi']}")
     if "training_cells" in setting:
         parts.insert(0, f"{setting['training_cells']:.4g} train")
+    if setting.get("overcommit"):
+        parts.append(f"overcommit {setting['overcommit']:g}")
     return ", ".join(parts)
 
 

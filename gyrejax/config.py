@@ -503,6 +503,9 @@ class SchedulerConfig:
     # max_slots), g the share of an execution's wall time spent in model calls, measured
     # over the last executions that finished (scheduler/driver.py, capacity_from_share).
     slot_occupancy: float = 0.0
+    # Elastic: while training is behind, the waterlevel may leave up to this share of a
+    # cell's capacity of executions waiting for a slot (policies.Elastic, `overcommit`).
+    elastic_overcommit: float = 0.0
     # S: no group is trained more than S weight versions after the one it was sampled
     # with (None: groups train in finish order, bounded only by the dispatch depth).
     max_staleness: int | None = None
@@ -519,6 +522,8 @@ class SchedulerConfig:
                 f"set with scheduler.cell_capacity={self.cell_capacity}; set one of them",
             )
         _positive("scheduler", self, "mu")
+        if not 0 <= self.elastic_overcommit <= 1:
+            _fail("scheduler.elastic_overcommit", self.elastic_overcommit, "expected in [0, 1]")
         if not self.async_training_cells >= 1 or not math.isfinite(self.async_training_cells):
             _fail("scheduler.async_training_cells", self.async_training_cells, "expected >= 1")
         if self.max_staleness is not None:

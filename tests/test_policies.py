@@ -56,6 +56,27 @@ def test_waterlevel_boundary():
     assert policy(view(executions_in_flight=25)).transitions == ()
 
 
+def test_overcommit_leaves_a_share_of_a_cell_unserved_while_training_is_behind():
+    # C_R = 32, C_e = 8; overcommit 0.5: up to 4 executions without a slot, but only with
+    # backlog_steps (2) steps of data waiting (4 groups, B = 2).
+    behind = dict(groups_ready=4)
+    policy = elastic_after_boundary(overcommit=0.5)
+    assert policy(view(executions_in_flight=28, **behind)).transitions == ((0, T),)
+    for counters in (
+        dict(executions_in_flight=29, **behind),
+        dict(executions_in_flight=28, groups_ready=3),
+    ):
+        assert elastic_after_boundary(overcommit=0.5)(view(**counters)).transitions == ()
+    assert elastic_after_boundary()(view(executions_in_flight=25, **behind)).transitions == ()
+    # Never the last rollout cell while work is outstanding; with none, as the plain rule.
+    last = view("TTTR", executions_in_flight=1, **behind)
+    assert elastic_after_boundary(overcommit=1)(last).transitions == ()
+    idle = dataclasses.replace(last, executions_in_flight=0)
+    assert elastic_after_boundary(overcommit=1)(idle).transitions == ((3, T),)
+    with pytest.raises(ValueError, match=r"overcommit=1\.5"):
+        make_policy("elastic", overcommit=1.5)
+
+
 def test_waterlevel_counts_work_about_to_be_dispatched():
     # 2 groups of 4 still to dispatch: w = 20 + 8 > 24.
     policy = elastic_after_boundary()
@@ -239,7 +260,8 @@ def test_no_idle_lookahead_cell_once_the_gate_is_full():
 
 def test_the_scheduler_config_sets_each_policys_dispatch_depth():
     """`scheduler.lookahead` reaches async and elastic ("default": each one's own), so
-    the real-run benchmark can sweep it for both as the simulator's does."""
+    the real-run benchmark can sweep it for both as the simulator's does; and
+    `scheduler.elastic_overcommit` reaches elastic."""
     from gyrejax.config import ConfigError, SchedulerConfig
     from gyrejax.scheduler.policies import policy_from_config
 
@@ -253,6 +275,9 @@ def test_the_scheduler_config_sets_each_policys_dispatch_depth():
     assert built("async", "gate").lookahead == "gate"
     assert built("async", "gate").training_cells == 2
     assert built("colocate", "gate").label == "colocate"
+    assert policy_from_config(SchedulerConfig(elastic_overcommit=0.5)).overcommit == 0.5
+    with pytest.raises(ConfigError, match=r"scheduler\.elastic_overcommit=2"):
+        SchedulerConfig(elastic_overcommit=2)
     with pytest.raises(ConfigError, match=r"scheduler\.lookahead='deep'"):
         SchedulerConfig(lookahead="deep")
 

@@ -165,7 +165,10 @@ def make_policy(name: str, **kwargs) -> Policy:
 def policy_from_config(scheduler) -> Policy:
     """The policy a `SchedulerConfig` names, with the options it sets that the policy
     takes (`lookahead` "default": the policy's own)."""
-    options = {"training_cells": scheduler.async_training_cells}
+    options = {
+        "training_cells": scheduler.async_training_cells,
+        "overcommit": scheduler.elastic_overcommit,
+    }
     if scheduler.lookahead != "default":
         options["lookahead"] = scheduler.lookahead
     return make_policy(scheduler.policy, **policy_options(scheduler.policy, **options))
@@ -396,6 +399,13 @@ class Elastic:
         dispatch before the next publication (when nothing more can be dispatched, the
         cell only idles, and the last steps of a burst run on one cell fewer); "always":
         whenever phi > 0.
+      overcommit: while training is behind (at least `backlog_steps` steps of data
+        waiting), the next cell may leave rollout when the rest cover all but this share
+        of a cell's capacity of the outstanding executions (0, the plain rule: all of
+        them). The executions left without a slot wait for the next to finish, minutes
+        when hundreds run for hours, while the cell trains at once; a waterlevel of
+        whole cells otherwise leaves up to a cell's slots idle under the gate. Never the
+        last rollout cell while work is outstanding.
     """
 
     def __init__(
@@ -405,17 +415,21 @@ class Elastic:
         core_stays: str = "backlog",
         keep_cell: str = "dispatchable",
         backlog_steps: int = 2,
+        overcommit: float = 0.0,
     ):
         _check_option("elastic", "lookahead", lookahead, _LOOKAHEADS)
         _check_option("elastic", "core_stays", core_stays, ("backlog", "spare", "ready"))
         if backlog_steps < 1:
             raise ValueError(f"elastic policy: backlog_steps={backlog_steps}, expected >= 1")
         _check_option("elastic", "keep_cell", keep_cell, ("dispatchable", "always"))
+        if not 0 <= overcommit <= 1:
+            raise ValueError(f"elastic policy: overcommit={overcommit}, expected in [0, 1]")
         self.min_rollout_cells = min_rollout_cells
         self.lookahead = lookahead
         self.core_stays = core_stays
         self.keep_cell = keep_cell
         self.backlog_steps = backlog_steps
+        self.overcommit = overcommit
         self._burst_seen = -1
 
     label = "elastic"
@@ -440,9 +454,18 @@ class Elastic:
         if capacity == 0 and outstanding > 0:  # work but nobody to serve it: bring one back
             last = [c for c in trainable if c.role is Role.TRAINING][-1]
             return Decision(((last.index, Role.ROLLOUT),), dispatch=dispatch)
-        if rollout and len(rollout) > keep and outstanding <= capacity - rollout[0].capacity:
+        if rollout and len(rollout) > keep and self._may_leave(view, rollout[0], outstanding):
             return Decision(((rollout[0].index, Role.TRAINING),), dispatch=dispatch)
         return Decision(dispatch=dispatch)
+
+    def _may_leave(self, view: View, cell: CellView, outstanding: int) -> bool:
+        """Whether `cell` may leave rollout with `outstanding` executions to serve."""
+        left = view.rollout_capacity - cell.capacity
+        if outstanding <= left:
+            return True
+        behind = view.groups_ready >= self.backlog_steps * view.groups_per_step
+        unserved = outstanding - left
+        return left > 0 and behind and unserved <= self.overcommit * cell.capacity
 
     def _keeps_a_cell(self, view: View) -> bool:
         """Without a standalone pool, one cell keeps serving the lookahead (phi > 0)."""
