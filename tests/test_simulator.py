@@ -328,6 +328,7 @@ POLICY_RUNS = [
     ("async", {"training_cells": 1}),
     ("async", {"training_cells": -1, "lookahead": "gate"}),
     ("elastic", {"lookahead": "phi", "core_stays": "ready", "keep_cell": "always"}),
+    ("elastic", {"overcommit": 1.0, "backlog_steps": 1}),  # executions left without a slot
 ]
 
 
