@@ -496,10 +496,18 @@ def goal_verdict(g: dict) -> str:
     return "NOT met"
 
 
+def fair_case(cfg, workload: str, cells: int, slots: int, gate: int, **overrides) -> SimConfig:
+    """One case of the fair comparison: the config's sim with a workload (and
+    `overrides` of it), a shape and a gate S; mu = 1, which every gate allows (the sweep
+    sets each policy's cadence)."""
+    fields = dict(cfg.workloads[workload].to_dict(), **overrides)
+    base = SimConfig.from_dict(cfg.sim.to_dict())
+    return base.replace(cells=cells, capacity=slots, max_staleness=gate, mu=1, **fields)
+
+
 def fair(pool, cfg, report: dict, hindsight: bool = False) -> None:
     """The fair tables and goals (module docstring); `hindsight`: also the hindsight split
     (`hindsight_split`) at the gates with goals (`HINDSIGHT_GATES`)."""
-    base = SimConfig.from_dict(cfg.sim.to_dict())
     for workload in cfg.fair.workloads:
         for cells, slots in cfg.fair.shapes:
             key = f"{workload} {cells}x{slots}"
@@ -519,13 +527,7 @@ def fair(pool, cfg, report: dict, hindsight: bool = False) -> None:
             print("|---|---|---|---|---|---|---|---|---|---|---|")
             report[key] = {}
             for gate in cfg.fair.gates:
-                sim = base.replace(
-                    cells=cells,
-                    capacity=slots,
-                    max_staleness=gate,
-                    mu=1,
-                    **cfg.workloads[workload].to_dict(),
-                )
+                sim = fair_case(cfg, workload, cells, slots, gate)
                 start = time.perf_counter()
                 rows = tune(pool, sim, cfg.fair)
                 jobs = [(dict(vars(sim), seed=s), cfg.fair.cadences) for s in cfg.fair.seeds]
@@ -680,7 +682,6 @@ def published(pool, cfg, report: dict) -> None:
 def sensitivity(pool, cfg, report: dict) -> None:
     """Does the rollout/training ratio drift at all? drift and mixed at S = 8 on the first
     shape, with token_exponent 0, 0.5 and 1 (1: tokens follow wall time, no drift)."""
-    base = SimConfig.from_dict(cfg.sim.to_dict())
     cells, slots = cfg.fair.shapes[0]
     print(f"\n### sensitivity: token_exponent, S=8, {cells}x{slots}\n")
     print(
@@ -691,8 +692,7 @@ def sensitivity(pool, cfg, report: dict) -> None:
     report["sensitivity"] = {}
     for workload in ("drift", "mixed"):
         for exponent in (0.0, 0.5, 1.0):
-            overrides = dict(cfg.workloads[workload].to_dict(), token_exponent=exponent)
-            sim = base.replace(cells=cells, capacity=slots, max_staleness=8, mu=1, **overrides)
+            sim = fair_case(cfg, workload, cells, slots, 8, token_exponent=exponent)
             rows = tune(pool, sim, cfg.fair)
             g = goals(workload, 8, rows)
             report["sensitivity"][f"{workload} e={exponent}"] = {"policies": rows, "goals": g}
@@ -734,7 +734,6 @@ def cell_size(pool, cfg, report: dict, factors: tuple[int, ...] = (2,)) -> None:
     `report` has none). A waterlevel moves whole cells, so up to a cell's slots stay free
     in rollout (the gate column of the idle). On every shape elastic is held against each
     baseline at its best shape: the baselines may choose their cell size too."""
-    base = SimConfig.from_dict(cfg.sim.to_dict())
     gates = [g for g in cfg.fair.gates if g in HINDSIGHT_GATES]
     smaller = ", ".join(f"{f}x" for f in factors)
     print(f"\n### cell size: the same cluster in cells {smaller} smaller (same slots, compute)\n")
@@ -748,13 +747,7 @@ def cell_size(pool, cfg, report: dict, factors: tuple[int, ...] = (2,)) -> None:
         for cells, slots in cfg.fair.shapes:
             key = f"{workload} {cells}x{slots}"
             for gate in gates:
-                sim = base.replace(
-                    cells=cells,
-                    capacity=slots,
-                    max_staleness=gate,
-                    mu=1,
-                    **cfg.workloads[workload].to_dict(),
-                )
+                sim = fair_case(cfg, workload, cells, slots, gate)
                 fair_rows = report.get("fair", {}).get(key, {}).get(gate, {}).get("policies")
                 by_shape = {f"{cells}x{slots}": fair_rows or tune(pool, sim, cfg.fair)}
                 for factor in factors:
