@@ -24,21 +24,21 @@ policy:
       each policy at its own best publication cadence mu, dispatch depth phi (with
       lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
       (whole, or halfway between two: their cells alternating per step; then beside
-      async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell; beside elastic's
-      best three, the same with `overcommit` 0.25 and 0.5): all swept on the first
-      seed, the best three settings of each policy re-run on every seed, the best mean
-      kept. Columns: the setting, makespan (mean over seeds), the bound valid for any
-      cadence (`makespan_bound_s`), makespan / bound, measured
-      staleness (max, mean; a group's staleness is the trainer's version when it is
-      trained minus the version it was dispatched with, i.e. its oldest tokens'), idle
-      cell-hours by cause, and each policy over elastic; then the term of the bound that
-      set it on each seed (`makespan_bound_terms_s`: work, gate_chain, pipeline_fill,
-      deadline_chain, gate_windows), the gate's limit (an ESTIMATE, not a bound: the same
-      gate with unlimited cells and free training), the train-all limit (an ESTIMATE: every
-      cell of the cluster training, at the real cost, beside unlimited rollout cells: what
-      moving cells could at most reach) and the issue-14 goals: met, not met, not met and
-      unreachable (the bound rules the goal out for every policy), or not met and out of
-      reach by the train-all estimate;
+      async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell; elastic's each
+      also with `overcommit` 0.25 and 0.5): all swept on the first seed, the best three
+      settings of each policy re-run on every seed, the best mean kept. Columns: the
+      setting, makespan (mean over seeds), the bound valid for any cadence
+      (`makespan_bound_s`), makespan / bound, measured staleness (max, mean; a group's
+      staleness is the trainer's version when it is trained minus the version it was
+      dispatched with, i.e. its oldest tokens'), idle cell-hours by cause, and each
+      policy over elastic; then the term of the bound that set it on each seed
+      (`makespan_bound_terms_s`: work, gate_chain, pipeline_fill, deadline_chain,
+      gate_windows), the gate's limit (an ESTIMATE, not a bound: the same gate with
+      unlimited cells and free training), the train-all limit (an ESTIMATE: every cell
+      of the cluster training, at the real cost, beside unlimited rollout cells: what
+      moving cells could at most reach) and the issue-14 goals: met, not met, not met
+      and unreachable (the bound rules the goal out for every policy), or not met and
+      out of reach by the train-all estimate;
   a Pareto plot (`--plot`, default schedule_pareto.png): makespan against mean staleness,
   per policy the front of every setting swept at every S, and its best setting per S;
   `--sensitivity`: drift and mixed at S = 8 with token_exponent 0, 0.5 and 1 (whether the
@@ -296,8 +296,13 @@ def half_splits(cells: int) -> list[float]:
     return [j / 2 if j % 2 else j // 2 for j in range(2, 2 * cells - 1)]
 
 
+# Elastic's overcommit values swept (a share of a cell's slots; policies.Elastic).
+OVERCOMMITS = (0.25, 0.5)
+
+
 def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
-    """Every setting swept for a policy under the gate of `sim`."""
+    """Every setting swept for a policy under the gate of `sim` (elastic's each also with
+    every `OVERCOMMITS`)."""
     cadences = [
         mu for mu in fair.cadences if sim.max_staleness is None or mu - 1 <= sim.max_staleness
     ]
@@ -311,6 +316,8 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
             split = {} if k is None else {"training_cells": k}
             out.append({"mu": mu, "phi": 0, "lookahead": "gate", **split})
             out += [{"mu": mu, "phi": phi, "lookahead": "phi", **split} for phi in fair.depths]
+    if policy == "elastic":
+        out += [dict(s, overcommit=share) for share in OVERCOMMITS for s in out]
     return out
 
 
@@ -338,31 +345,11 @@ def finer_splits(top: list[dict], sim: SimConfig) -> list[dict]:
     return out
 
 
-# Elastic's overcommit (a share of a cell's slots; policies.Elastic) tried beside its best.
-OVERCOMMITS = (0.25, 0.5)
-
-
-def overcommitted(top: list[dict]) -> list[dict]:
-    """Elastic settings beside the sweep's best: each with every `OVERCOMMITS` (the
-    waterlevel leaving up to that share of a cell's slots unserved while training is
-    behind), at the same cadence and dispatch rule."""
-    return [dict(setting, overcommit=share) for setting in top for share in OVERCOMMITS]
-
-
-def beside_best(policy: str, top: list[dict], sim: SimConfig) -> list[dict]:
-    """The settings tried beside a policy's best `TOP` on the first seed."""
-    if policy == "async":
-        return finer_splits(top, sim)
-    if policy == "elastic":
-        return overcommitted(top)
-    return []
-
-
 def tune(pool, sim: SimConfig, fair) -> dict:
-    """Each policy's best setting under `sim`'s gate: all settings on the first seed (and
-    `beside_best` its best `TOP`: async's finer splits, elastic's overcommit), the best
-    `TOP` on every seed; the best mean makespan wins. Returns per policy the setting, its
-    runs (one per seed) and the mean of their summaries."""
+    """Each policy's best setting under `sim`'s gate: all settings on the first seed (for
+    async also `finer_splits` beside its best `TOP`), the best `TOP` on every seed; the
+    best mean makespan wins. Returns per policy the setting, its runs (one per seed) and
+    the mean of their summaries."""
     seeds = list(fair.seeds)
     base = dict(vars(sim), seed=seeds[0])
     jobs = [(base, p, s) for p in POLICIES for s in settings(p, sim, fair)]
@@ -371,8 +358,9 @@ def tune(pool, sim: SimConfig, fair) -> dict:
     for policy in POLICIES:
         runs = [r for (_, p, _), r in zip(jobs, first, strict=True) if p == policy]
         runs.sort(key=lambda r: r["makespan_h"])
-        if beside := beside_best(policy, [r["setting"] for r in runs[:TOP]], sim):
-            runs += pool.map(run_one, [(base, policy, s) for s in beside])
+        if policy == "async":  # and beside its best, finer splits
+            finer = finer_splits([r["setting"] for r in runs[:TOP]], sim)
+            runs += pool.map(run_one, [(base, policy, s) for s in finer])
             runs.sort(key=lambda r: r["makespan_h"])
         candidates = runs[:TOP]
         more = [

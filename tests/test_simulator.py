@@ -621,6 +621,11 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         [10 / 3, 11 / 3, 3.25, 3.75, 19 / 6, 23 / 6, 25 / 6, 4.25, 13 / 3]
     )
     assert {s["mu"] for s in swept} == {1, 2} and {s["lookahead"] for s in swept} == {"phi", "gate"}
+    # Elastic: every setting also with each overcommit.
+    plain = [s for s in bench.settings("elastic", sim, cfg.fair) if "overcommit" not in s]
+    assert bench.settings("elastic", sim, cfg.fair) == plain + [
+        dict(s, overcommit=share) for share in bench.OVERCOMMITS for s in plain
+    ]
     # Each policy's row is the best mean over seeds among its top settings; none beats
     # the bound, every gate holds.
     for policy in bench.POLICIES:
@@ -628,24 +633,8 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
         assert len(r["per_seed_h"]) == 2 and r["makespan_h"] == pytest.approx(
             np.mean(r["per_seed_h"])
         )
-        first = sorted(
-            (
-                bench.run_one((dict(vars(sim), seed=0), policy, s))
-                for s in bench.settings(policy, sim, cfg.fair)
-            ),
-            key=lambda x: x["makespan_h"],
-        )
-        # Beside its best: async's finer splits, elastic's overcommit, nothing for colocate.
-        beside = bench.beside_best(policy, [x["setting"] for x in first[: bench.TOP]], sim)
-        if policy == "async":
-            assert beside == finer
-        elif policy == "elastic":
-            assert sorted(s.pop("overcommit") for s in map(dict, beside)) == sorted(
-                bench.OVERCOMMITS * bench.TOP
-            )
-        else:
-            assert beside == []
-        first += [bench.run_one((dict(vars(sim), seed=0), policy, s)) for s in beside]
+        tried = bench.settings(policy, sim, cfg.fair) + (finer if policy == "async" else [])
+        first = [bench.run_one((dict(vars(sim), seed=0), policy, s)) for s in tried]
         assert r["per_seed_h"][0] in sorted(x["makespan_h"] for x in first)[: bench.TOP]
         assert r["over_bound"] >= 1 - 1e-9 and r["staleness_max"] <= 2 and r["over_stale"] == 0
     goals = entry["goals"]
