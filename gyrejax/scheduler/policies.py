@@ -405,7 +405,9 @@ class Elastic:
         them). The executions left without a slot wait for the next to finish, minutes
         when hundreds run for hours, while the cell trains at once; a waterlevel of
         whole cells otherwise leaves up to a cell's slots idle under the gate. Never the
-        last rollout cell while work is outstanding.
+        last rollout cell while work is outstanding. 0 by default: it pays where the
+        cells' work binds (8 x 32 at S = 8 in the benchmark: 0.5) and only delays
+        executions where the gate does.
     """
 
     def __init__(
