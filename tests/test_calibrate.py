@@ -95,7 +95,7 @@ def test_predict_uses_the_split_and_dispatch_depth_the_run_recorded(tmp_path):
         truth, simulate(truth, "async", **options), "async", tmp_path, 0.0, options
     )
     run = calibrate.read_run(tmp_path)
-    assert calibrate.schedule_options(run["schedule"]) == options
+    assert calibrate.schedule_options(run["schedule"]) == {**options, "overcommit": 0.0}
     fit = calibrate.fit_run(tmp_path)
     walls = calibrate.predicted_walls(fit, run, seeds=(0, 1))
     sim = fit.sim.replace(max_staleness=3, mu=1)
@@ -106,6 +106,11 @@ def test_predict_uses_the_split_and_dispatch_depth_the_run_recorded(tmp_path):
     # Runs logged before the depth was recorded: the policy's own.
     old = {**run, "schedule": {k: v for k, v in run["schedule"].items() if k != "lookahead"}}
     assert calibrate.predict(fit, old) == calibrate.predict(fit, default)
+    # Elastic's overcommit is simulated as recorded; runs logged before it: 0.
+    elastic = {**run["schedule"], "policy": "elastic", "elastic_overcommit": 0.5}
+    assert calibrate.schedule_options(elastic)["overcommit"] == 0.5
+    unrecorded = {k: v for k, v in elastic.items() if k != "elastic_overcommit"}
+    assert calibrate.schedule_options(unrecorded)["overcommit"] == 0.0
 
 
 def test_the_predicted_band_holds_most_runs_of_the_same_configuration(tmp_path):

@@ -236,6 +236,7 @@ def schedule_fields(config: Config, cells: int) -> dict:
         "max_staleness": sched.max_staleness,
         "async_training_cells": sched.async_training_cells,
         "lookahead": sched.lookahead,
+        "elastic_overcommit": sched.elastic_overcommit,
         "slot_occupancy": sched.slot_occupancy,
         "timeout_s": config.harness.timeout_s,
     }

@@ -862,9 +862,13 @@ Results = list[SimResult] | None  # simulations `predicted_runs` already made, o
 
 def schedule_options(schedule: dict) -> dict:
     """The policy options a run's schedule sets (`simulate` keeps those its policy
-    takes): the async split and the dispatch depth (`scheduler.lookahead`; "default",
-    or absent in runs logged before it was recorded: the policy's own)."""
-    options = {"training_cells": schedule["async_training_cells"]}
+    takes): the async split, elastic's overcommit (absent in runs logged before it was
+    recorded: 0) and the dispatch depth (`scheduler.lookahead`; "default", or absent in
+    runs logged before it was recorded: the policy's own)."""
+    options = {
+        "training_cells": schedule["async_training_cells"],
+        "overcommit": schedule.get("elastic_overcommit", 0.0),
+    }
     if schedule.get("lookahead", "default") != "default":
         options["lookahead"] = schedule["lookahead"]
     return options
@@ -1007,6 +1011,7 @@ def write_run_logs(
         "max_staleness": sim.max_staleness,
         "async_training_cells": (options or {}).get("training_cells", 1),
         "lookahead": (options or {}).get("lookahead", "default"),
+        "elastic_overcommit": (options or {}).get("overcommit", 0.0),
         "slot_occupancy": sim.slot_occupancy,
         "timeout_s": sim.timeout_s,
     }
