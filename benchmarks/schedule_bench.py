@@ -9,7 +9,8 @@ Usage:
                                       [--real_workdir DIR] [--real_regimes compute,latency]
                                       [--real_processes P] [--real_lookaheads]
                                       [--real_cell_capacities N,...]
-                                      [--real_occupancies X,...] [--real_only REGEX]
+                                      [--real_occupancies X,...] [--real_overcommits X,...]
+                                      [--real_only REGEX]
                                       [--real_flags=FLAGS] [--real_passes N]
                                       [--calibrate DIR|elastic] [--load_model]
                                       [--cores_by DIR|NAME]
@@ -77,7 +78,9 @@ adds elastic counting each rollout cell as serving that many executions
 (`scheduler.cell_capacity`; the engines keep their slots): an agent waiting on a tool
 holds no slot, so elastic's waterlevel may free more cells (async's split does not use it).
 `--real_occupancies 0.5,1` adds elastic whose capacity follows the measured share of time
-its agents spend in model calls (`scheduler.slot_occupancy`). `--real_only REGEX` runs
+its agents spend in model calls (`scheduler.slot_occupancy`); `--real_overcommits 0.5,1`
+elastic with that `scheduler.elastic_overcommit` (it acts only while two steps of data
+wait, which the default tiny run seldom has). `--real_only REGEX` runs
 only the variants whose name matches (each policy's best, re-measured); `--real_flags`
 adds flags to every real run, given with "=" (a value starting with "--"), e.g. a looser
 gate: `--real_flags=--config.scheduler.max_staleness=11`. `--real_passes N` runs every
@@ -784,13 +787,15 @@ def real_variants(
     lookaheads: bool = False,
     cell_capacities: tuple[int, ...] = (),
     occupancies: tuple[float, ...] = (),
+    overcommits: tuple[float, ...] = (),
 ) -> list[tuple[str, list[str]]]:
     """Every policy at every publication cadence mu (and async at every `half_splits`),
     all under tiny_cpu's gate S = 3: each policy's best is the fairly tuned one.
     `lookaheads`: also async and elastic at the dispatch depth that is not their default
     (async "gate", elastic "phi"), as the simulator's sweep has them. `cell_capacities`:
     also elastic with each of these `scheduler.cell_capacity` values; `occupancies`: with
-    each of these `scheduler.slot_occupancy` values (the capacity measured as it runs)."""
+    each of these `scheduler.slot_occupancy` values (the capacity measured as it runs);
+    `overcommits`: with each of these `scheduler.elastic_overcommit` values."""
     variants = []
     for mu in mus:
         cadence = [f"--config.scheduler.mu={mu}"]
@@ -812,6 +817,10 @@ def real_variants(
         for x in occupancies:
             flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.slot_occupancy={x}"]
             variants.append((f"elastic mu={mu} occupancy={x}", [*flags, *cadence]))
+        for x in overcommits:
+            share = f"--config.scheduler.elastic_overcommit={x}"
+            flags = ["--config.scheduler.policy=elastic", share]
+            variants.append((f"elastic mu={mu} overcommit={x}", [*flags, *cadence]))
     return variants
 
 
@@ -839,8 +848,12 @@ def real_runs(args) -> dict:
     layout = [f"--config.cells.num_cpu_devices={8 // processes}"] if processes > 1 else []
     capacities = tuple(int(n) for n in args.real_cell_capacities.split(",") if n)
     occupancies = tuple(float(x) for x in args.real_occupancies.split(",") if x)
+    overcommits = tuple(float(x) for x in args.real_overcommits.split(",") if x)
     variants = real_variants(
-        lookaheads=args.real_lookaheads, cell_capacities=capacities, occupancies=occupancies
+        lookaheads=args.real_lookaheads,
+        cell_capacities=capacities,
+        occupancies=occupancies,
+        overcommits=overcommits,
     )
     if args.real_only:  # a subset, e.g. to re-measure the best of each policy
         variants = [(name, flags) for name, flags in variants if re.search(args.real_only, name)]
@@ -1124,6 +1137,11 @@ def main() -> None:
         "--real_occupancies",
         default="",
         help="also elastic with each scheduler.slot_occupancy, e.g. 0.5,1",
+    )
+    parser.add_argument(
+        "--real_overcommits",
+        default="",
+        help="also elastic with each scheduler.elastic_overcommit, e.g. 0.5,1",
     )
     parser.add_argument(
         "--real_only",

@@ -700,8 +700,13 @@ def test_benchmark_tunes_every_policy_fairly(capsys, tmp_path):
     vs = summary["vs_better_baseline"]
     assert vs["baseline"] == "async(2) mu=1" and vs["of_medians"] == pytest.approx(31 / 32)
     assert vs["pass_by_pass"] == pytest.approx([31 / 32, 29 / 30, 40 / 35])
-    more = dict(bench.real_variants(lookaheads=True, cell_capacities=(48,), occupancies=(0.5,)))
-    assert len(more) == 2 * 15
+    more = dict(
+        bench.real_variants(
+            lookaheads=True, cell_capacities=(48,), occupancies=(0.5,), overcommits=(1.0,)
+        )
+    )
+    assert len(more) == 2 * 16
+    assert "--config.scheduler.elastic_overcommit=1.0" in more["elastic mu=2 overcommit=1.0"]
     assert "--config.scheduler.cell_capacity=48" in more["elastic mu=2 cap=48"]
     assert "--config.scheduler.slot_occupancy=0.5" in more["elastic mu=1 occupancy=0.5"]
     assert "--config.scheduler.lookahead=gate" in more["async(1) mu=1 gate"]
