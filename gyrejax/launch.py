@@ -75,8 +75,8 @@ def _quiet_orbax(record) -> bool:
 
 def _ignored(error: BaseException) -> str:
     """One line for an exception the run can only ignore."""
-    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    return f"gyrejax.launch: ignored {type(error).__name__}: {text}"
+    lines = str(error).strip().splitlines()
+    return f"gyrejax.launch: ignored {type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _one_line_unraisable(unraisable) -> None:

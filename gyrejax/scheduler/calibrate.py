@@ -86,6 +86,7 @@ import numpy as np
 
 from gyrejax.logs import read_jsonl
 from gyrejax.scheduler.driver import logged_trainer_time
+from gyrejax.scheduler.policies import OPTION_FIELDS, options_from_fields
 from gyrejax.scheduler.simulator import (
     SMALLEST_BUCKET_LOG2,
     SimConfig,
@@ -862,16 +863,9 @@ Results = list[SimResult] | None  # simulations `predicted_runs` already made, o
 
 def schedule_options(schedule: dict) -> dict:
     """The policy options a run's schedule sets (`simulate` keeps those its policy
-    takes): the async split, elastic's overcommit (absent in runs logged before it was
-    recorded: 0) and the dispatch depth (`scheduler.lookahead`; "default", or absent in
-    runs logged before it was recorded: the policy's own)."""
-    options = {
-        "training_cells": schedule["async_training_cells"],
-        "overcommit": schedule.get("elastic_overcommit", 0.0),
-    }
-    if schedule.get("lookahead", "default") != "default":
-        options["lookahead"] = schedule["lookahead"]
-    return options
+    takes): the async split, elastic's overcommit and the dispatch depth, read as the
+    runtime reads its config (`policies.options_from_fields`)."""
+    return options_from_fields(schedule)
 
 
 def predicted_runs(fit: Fit, run: dict, seeds: tuple[int, ...] = PREDICT_SEEDS) -> list[SimResult]:
@@ -999,6 +993,7 @@ def write_run_logs(
             if kind == "to_rollout":
                 record["wait_boundary_s"] = wait
             f.write(json.dumps(record) + "\n")
+    options = options or {}
     schedule = {
         "policy": policy,
         "cells": sim.cells,
@@ -1009,9 +1004,8 @@ def write_run_logs(
         "mu": sim.mu,
         "phi": sim.phi,
         "max_staleness": sim.max_staleness,
-        "async_training_cells": (options or {}).get("training_cells", 1),
-        "lookahead": (options or {}).get("lookahead", "default"),
-        "elastic_overcommit": (options or {}).get("overcommit", 0.0),
+        **{field: options.get(name, default) for name, (field, default) in OPTION_FIELDS.items()},
+        "lookahead": options.get("lookahead", "default"),
         "slot_occupancy": sim.slot_occupancy,
         "timeout_s": sim.timeout_s,
     }

@@ -164,14 +164,27 @@ def make_policy(name: str, **kwargs) -> Policy:
 
 def policy_from_config(scheduler) -> Policy:
     """The policy a `SchedulerConfig` names, with the options it sets that the policy
-    takes (`lookahead` "default": the policy's own)."""
-    options = {
-        "training_cells": scheduler.async_training_cells,
-        "overcommit": scheduler.elastic_overcommit,
-    }
-    if scheduler.lookahead != "default":
-        options["lookahead"] = scheduler.lookahead
+    takes."""
+    options = options_from_fields(vars(scheduler))
     return make_policy(scheduler.policy, **policy_options(scheduler.policy, **options))
+
+
+# The SchedulerConfig fields that are policy options: option -> (field, its default). A
+# run's recorded schedule names them as the config does (gyrejax.scheduler.calibrate).
+OPTION_FIELDS = {
+    "training_cells": ("async_training_cells", 1.0),
+    "overcommit": ("elastic_overcommit", 0.0),
+}
+
+
+def options_from_fields(fields) -> dict:
+    """The policy options scheduler fields set (a SchedulerConfig's, or a run's recorded
+    schedule): a field absent (a run logged before it was recorded) takes its default;
+    `lookahead` "default" (or absent) is left out: the policy's own."""
+    options = {name: fields.get(field, default) for name, (field, default) in OPTION_FIELDS.items()}
+    if fields.get("lookahead", "default") != "default":
+        options["lookahead"] = fields["lookahead"]
+    return options
 
 
 def policy_options(name: str, **options) -> dict:
