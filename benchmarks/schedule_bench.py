@@ -1194,11 +1194,12 @@ def main() -> None:
         try:
             factors = tuple(int(f) for f in args.cell_size.split(","))
         except ValueError:
-            factors = (0,)
-        if min(factors) < 2 or any(slots % f for _, slots in cfg.fair.shapes for f in factors):
+            factors = ()
+        slots = [n for _, n in cfg.fair.shapes]
+        if not factors or min(factors) < 2 or any(n % f for n in slots for f in factors):
             parser.error(
                 f"--cell_size {args.cell_size}: expected factors >= 2 that divide every "
-                f"shape's slots {[slots for _, slots in cfg.fair.shapes]}, e.g. 2,4"
+                f"shape's slots {slots}, e.g. 2,4"
             )
     report = {"config": spec, "quick": args.quick}
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
