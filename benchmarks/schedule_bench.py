@@ -26,7 +26,7 @@ policy:
       lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
       (whole, or halfway between two: their cells alternating per step; then beside
       async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell; elastic's each
-      also with `overcommit` 0.25 and 0.5): all swept on the first seed, the best three
+      also with `overcommit` 0.25, 0.5, 0.75 and 1): all swept on the first seed, the best three
       settings of each policy re-run on every seed, the best mean kept. Columns: the
       setting, makespan (mean over seeds), the bound valid for any cadence
       (`makespan_bound_s`), makespan / bound, measured staleness (max, mean; a group's
@@ -300,7 +300,7 @@ def half_splits(cells: int) -> list[float]:
 
 
 # Elastic's overcommit values swept (a share of a cell's slots; policies.Elastic).
-OVERCOMMITS = (0.25, 0.5)
+OVERCOMMITS = (0.25, 0.5, 0.75, 1.0)
 
 
 def settings(policy: str, sim: SimConfig, fair) -> list[dict]:

@@ -58,13 +58,14 @@ def test_waterlevel_boundary():
 
 def test_overcommit_leaves_a_share_of_a_cell_unserved_while_training_is_behind():
     # C_R = 32, C_e = 8; overcommit 0.5: up to 4 executions without a slot, but only with
-    # backlog_steps (2) steps of data waiting (4 groups, B = 2).
-    behind = dict(groups_ready=4)
+    # backlog_steps (2) steps of data waiting (4 groups, B = 2) and groups left to dispatch.
+    behind = dict(groups_ready=4, groups_remaining=6)
     policy = elastic_after_boundary(overcommit=0.5)
     assert policy(view(executions_in_flight=28, **behind)).transitions == ((0, T),)
     for counters in (
         dict(executions_in_flight=29, **behind),
-        dict(executions_in_flight=28, groups_ready=3),
+        dict(executions_in_flight=28, groups_ready=3, groups_remaining=6),
+        dict(executions_in_flight=28, groups_ready=4, groups_remaining=0),  # all dispatched
     ):
         assert elastic_after_boundary(overcommit=0.5)(view(**counters)).transitions == ()
     assert elastic_after_boundary()(view(executions_in_flight=25, **behind)).transitions == ()
@@ -75,6 +76,19 @@ def test_overcommit_leaves_a_share_of_a_cell_unserved_while_training_is_behind()
     assert elastic_after_boundary(overcommit=1)(idle).transitions == ((3, T),)
     with pytest.raises(ValueError, match=r"overcommit=1\.5"):
         make_policy("elastic", overcommit=1.5)
+
+
+def test_overcommit_stops_with_the_last_dispatch():
+    # Gate S = 2 with 4 groups ready (B = 2) allows 2 more groups: 20 + 8 = 28 executions
+    # outstanding, 4 of them without a slot. Allowed while groups remain after this
+    # dispatch (or the run is unlimited), not when it sends the run's last groups.
+    counters = dict(executions_in_flight=20, groups_ready=4, max_staleness=2)
+    for remaining, leaves in ((3, True), (None, True), (2, False)):
+        decision = elastic_after_boundary(overcommit=0.5)(
+            view(groups_remaining=remaining, **counters)
+        )
+        assert decision.dispatch == 2
+        assert decision.transitions == (((0, T),) if leaves else ())
 
 
 def test_waterlevel_counts_work_about_to_be_dispatched():

@@ -418,7 +418,9 @@ class Elastic:
         them). The executions left without a slot wait for the next to finish, minutes
         when hundreds run for hours, while the cell trains at once; a waterlevel of
         whole cells otherwise leaves up to a cell's slots idle under the gate. Never the
-        last rollout cell while work is outstanding. 0 by default: it pays where the
+        last rollout cell while work is outstanding, and not once the run has dispatched
+        every group (the executions still out are its last: they finish ever further
+        apart, and one left waiting delays the end). 0 by default: it pays where the
         cells' work binds (8 x 32 at S = 8 in the benchmark: 0.5) and only delays
         executions where the gate does.
     """
@@ -469,18 +471,27 @@ class Elastic:
         if capacity == 0 and outstanding > 0:  # work but nobody to serve it: bring one back
             last = [c for c in trainable if c.role is Role.TRAINING][-1]
             return Decision(((last.index, Role.ROLLOUT),), dispatch=dispatch)
-        if rollout and len(rollout) > keep and self._may_leave(view, rollout[0], outstanding):
+        if (
+            rollout
+            and len(rollout) > keep
+            and self._may_leave(view, rollout[0], outstanding, dispatch)
+        ):
             return Decision(((rollout[0].index, Role.TRAINING),), dispatch=dispatch)
         return Decision(dispatch=dispatch)
 
-    def _may_leave(self, view: View, cell: CellView, outstanding: int) -> bool:
-        """Whether `cell` may leave rollout with `outstanding` executions to serve."""
+    def _may_leave(self, view: View, cell: CellView, outstanding: int, dispatch: int) -> bool:
+        """Whether `cell` may leave rollout with `outstanding` executions to serve, of
+        which `dispatch` groups' are dispatched now."""
         left = view.rollout_capacity - cell.capacity
         if outstanding <= left:
             return True
         behind = view.groups_ready >= self.backlog_steps * view.groups_per_step
+        # An execution left waiting gets the next free slot, which comes soon only while
+        # the run keeps dispatching: once every group is out, those still running are the
+        # run's last, they finish ever further apart, and a wait delays the end itself.
+        dispatching = view.groups_remaining is None or view.groups_remaining > dispatch
         unserved = outstanding - left
-        return left > 0 and behind and unserved <= self.overcommit * cell.capacity
+        return left > 0 and behind and dispatching and unserved <= self.overcommit * cell.capacity
 
     def _keeps_a_cell(self, view: View) -> bool:
         """Without a standalone pool, one cell keeps serving the lookahead (phi > 0)."""
