@@ -80,8 +80,9 @@ holds no slot, so elastic's waterlevel may free more cells (async's split does n
 `--real_occupancies 0.5,1` adds elastic whose capacity follows the measured share of time
 its agents spend in model calls (`scheduler.slot_occupancy`); `--real_overcommits 0.5,1`
 elastic with that `scheduler.elastic_overcommit` (it acts only while two steps of data
-wait, which the default tiny run seldom has). `--real_only REGEX` runs
-only the variants whose name matches (each policy's best, re-measured); `--real_flags`
+wait and groups remain to dispatch, which the default tiny run seldom has).
+`--real_only REGEX` runs only the variants whose name matches (each policy's best,
+re-measured); `--real_flags`
 adds flags to every real run, given with "=" (a value starting with "--"), e.g. a looser
 gate: `--real_flags=--config.scheduler.max_staleness=11`. `--real_passes N` runs every
 variant N times, pass after pass (DIR/<regime>/pass<i>/), and prints each variant's
