@@ -26,9 +26,9 @@ policy:
       lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
       (whole, or halfway between two: their cells alternating per step; then beside
       async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell; elastic's each
-      also with `overcommit` 0.25, 0.5, 0.75 and 1): all swept on the first seed, the best three
-      settings of each policy re-run on every seed, the best mean kept. Columns: the
-      setting, makespan (mean over seeds), the bound valid for any cadence
+      also with `overcommit` 0.25, 0.5, 0.75 and 1): all swept on the first seed, the
+      best three settings of each policy re-run on every seed, the best mean kept.
+      Columns: the setting, makespan (mean over seeds), the bound valid for any cadence
       (`makespan_bound_s`), makespan / bound, measured staleness (max, mean; a group's
       staleness is the trainer's version when it is trained minus the version it was
       dispatched with, i.e. its oldest tokens'), idle cell-hours by cause, and each
@@ -82,9 +82,9 @@ its agents spend in model calls (`scheduler.slot_occupancy`); `--real_overcommit
 elastic with that `scheduler.elastic_overcommit` (it acts only while two steps of data
 wait and groups remain to dispatch, which the default tiny run seldom has).
 `--real_only REGEX` runs only the variants whose name matches (each policy's best,
-re-measured); `--real_flags`
-adds flags to every real run, given with "=" (a value starting with "--"), e.g. a looser
-gate: `--real_flags=--config.scheduler.max_staleness=11`. `--real_passes N` runs every
+re-measured); `--real_flags` adds flags to every real run, given with "=" (a value
+starting with "--"), e.g. a looser gate:
+`--real_flags=--config.scheduler.max_staleness=11`. `--real_passes N` runs every
 variant N times, pass after pass (DIR/<regime>/pass<i>/), and prints each variant's
 walls and median, and elastic's best against the better baseline's as the ratio of
 medians and pass by pass (the machines are noisy: one run is one draw); each variant's
