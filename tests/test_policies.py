@@ -52,6 +52,7 @@ def test_waterlevel_boundary():
     # C_R = 32, C_e = 8: the core may leave iff w <= 24.
     policy = elastic_after_boundary()
     assert policy(view(executions_in_flight=24)).transitions == ((0, T),)
+    assert policy.overcommitted == 0  # every execution keeps a slot
     policy = elastic_after_boundary()
     assert policy(view(executions_in_flight=25)).transitions == ()
 
@@ -62,6 +63,7 @@ def test_overcommit_leaves_a_share_of_a_cell_unserved_while_training_is_behind()
     behind = dict(groups_ready=4, groups_remaining=6)
     policy = elastic_after_boundary(overcommit=0.5)
     assert policy(view(executions_in_flight=28, **behind)).transitions == ((0, T),)
+    assert policy.overcommitted == 1  # counted for run_summary.json
     for counters in (
         dict(executions_in_flight=29, **behind),
         dict(executions_in_flight=28, groups_ready=3, groups_remaining=6),

@@ -68,6 +68,7 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     # Which sandbox ran agent code (without bubblewrap: a warning that it is no boundary).
     written = json.loads((tmp_path / "run_summary.json").read_text())
     assert written["sandbox"] == summary["sandbox"] == sandbox_summary("auto")
+    assert written["overcommitted_leaves"] is None  # elastic's count only
     # Every sampled cell-second is busy or idle for one cause: the idle share is
     # 1 - utilisation, and the per-step rows add up to no more than the run's total.
     cell_s = written["cell_s"]
@@ -176,6 +177,7 @@ def test_kill_and_resume_through_launch(tmp_path):
     assert read_jsonl(tmp_path / "transitions.jsonl")
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["steps"] == 8
+    assert summary["overcommitted_leaves"] == 0  # elastic, scheduler.elastic_overcommit 0
     # Its wall time from the trainer's side counts only its own steps (the first run's
     # rows were timed by another clock).
     spent = summary["trainer_s"]

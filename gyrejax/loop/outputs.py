@@ -180,10 +180,16 @@ def step_record(
 
 
 def write_summary(
-    ctx: RunContext, cell_time: CellTime, over_stale: int, resumed_at: int = 0
+    ctx: RunContext,
+    cell_time: CellTime,
+    over_stale: int,
+    resumed_at: int = 0,
+    overcommitted: int | None = None,
 ) -> dict:
     """Writes `run_summary.json` and the plots; returns the summary. `resumed_at`: the
-    step this process resumed from (earlier rows were timed by an earlier process)."""
+    step this process resumed from (earlier rows were timed by an earlier process);
+    `overcommitted`: the cells elastic sent to training with executions left waiting for
+    a slot (`scheduler.elastic_overcommit`) in this process; None for other policies."""
     config, workdir = ctx.config, ctx.workdir
     records = read_jsonl(workdir / "metrics.jsonl")
     transitions = read_jsonl(workdir / "transitions.jsonl")
@@ -212,6 +218,7 @@ def write_summary(
         # for data), after the last; they sum to wall_s.
         "trainer_s": logged_trainer_time(records, wall_s, after_step=resumed_at),
         "over_stale": over_stale,
+        "overcommitted_leaves": overcommitted,
         "schedule": schedule_fields(config, len(ctx.cells)),
         # Which sandbox ran agent code; without bubblewrap it says it is no boundary.
         "sandbox": sandbox_summary(config.harness.sandbox),

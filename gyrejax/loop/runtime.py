@@ -146,7 +146,13 @@ class Runtime:
                 await ctx.step_task
         finally:
             await self._shutdown()
-        return write_summary(ctx, self.cell_time, self.steps.over_stale, self.steps.resumed_at)
+        return write_summary(
+            ctx,
+            self.cell_time,
+            self.steps.over_stale,
+            self.steps.resumed_at,
+            overcommitted=getattr(self.policy, "overcommitted", None),  # elastic's only
+        )
 
     async def _agents(self, proxy):
         """What runs executions: the built-in harness, or the user's agent command

@@ -447,6 +447,7 @@ class Elastic:
         self.keep_cell = keep_cell
         self.backlog_steps = backlog_steps
         self.overcommit = overcommit
+        self.overcommitted = 0  # leaves with executions left waiting (run_summary.json)
         self._burst_seen = -1
 
     label = "elastic"
@@ -476,6 +477,8 @@ class Elastic:
             and len(rollout) > keep
             and self._may_leave(view, rollout[0], outstanding, dispatch)
         ):
+            if outstanding > capacity - rollout[0].capacity:
+                self.overcommitted += 1
             return Decision(((rollout[0].index, Role.TRAINING),), dispatch=dispatch)
         return Decision(dispatch=dispatch)
 
