@@ -812,16 +812,14 @@ def real_variants(
         if lookaheads:
             flags = ["--config.scheduler.policy=elastic", "--config.scheduler.lookahead=phi"]
             variants.append((f"elastic mu={mu} phi", [*flags, *cadence]))
-        for n in cell_capacities:
-            flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.cell_capacity={n}"]
-            variants.append((f"elastic mu={mu} cap={n}", [*flags, *cadence]))
-        for x in occupancies:
-            flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.slot_occupancy={x}"]
-            variants.append((f"elastic mu={mu} occupancy={x}", [*flags, *cadence]))
-        for x in overcommits:
-            share = f"--config.scheduler.elastic_overcommit={x}"
-            flags = ["--config.scheduler.policy=elastic", share]
-            variants.append((f"elastic mu={mu} overcommit={x}", [*flags, *cadence]))
+        for label, field, values in (
+            ("cap", "cell_capacity", cell_capacities),
+            ("occupancy", "slot_occupancy", occupancies),
+            ("overcommit", "elastic_overcommit", overcommits),
+        ):
+            for x in values:
+                flags = ["--config.scheduler.policy=elastic", f"--config.scheduler.{field}={x}"]
+                variants.append((f"elastic mu={mu} {label}={x}", [*flags, *cadence]))
     return variants
 
 
