@@ -26,10 +26,12 @@ policy:
       lookahead "phi"; or "gate": dispatch as deep as S allows) and, for async, split
       (whole, or halfway between two: their cells alternating per step; then beside
       async's best three, splits moved by 1/6, 1/4 and 1/3 of a cell; elastic's each
-      also with `overcommit` 0.25, 0.5, 0.75 and 1): all swept on the first seed, the
-      best three settings of each policy re-run on every seed, the best mean kept.
-      Columns: the setting, makespan (mean over seeds), the bound valid for any cadence
-      (`makespan_bound_s`), makespan / bound, measured staleness (max, mean; a group's
+      also with `overcommit` 0.25, 0.5, 0.75 and 1; where tasks carry a duration hint,
+      the mixed workload, every setting also with `dispatch_order` "longest_first"):
+      all swept on the first seed, the best three settings of each policy re-run on every
+      seed, the best mean kept. Columns: the setting, makespan (mean over seeds), the
+      bound valid for any cadence and dispatch order (`makespan_bound_s`, the least over
+      the orders swept), makespan / bound, measured staleness (max, mean; a group's
       staleness is the trainer's version when it is trained minus the version it was
       dispatched with, i.e. its oldest tokens'), idle cell-hours by cause, and each
       policy over elastic; then the term of the bound that set it on each seed
@@ -112,13 +114,16 @@ from pathlib import Path
 
 import numpy as np
 
+from gyrejax.config import DISPATCH_ORDERS
 from gyrejax.scheduler.driver import TRAINER_TIME
 from gyrejax.scheduler.policies import IDLE_CAUSES, Async, View, cells_at_step
 from gyrejax.scheduler.simulator import (
+    HINTED_WORKLOADS,
     HOUR,
     SimConfig,
     Simulator,
     make_trace,
+    makespan_bound_s,
     makespan_bound_terms_s,
     simulate,
 )
@@ -147,19 +152,48 @@ _TRACES: dict = {}
 def _trace(sim: SimConfig):
     """The trace of a config (every field but the schedule's decides it), cached so that
     a sweep builds it and its bound once per worker."""
-    key = sim.replace(cells=2, capacity=1, mu=1, phi=0, max_staleness=None)
+    # The gate sets the blocks "longest_first" reorders, so it is part of that trace.
+    gate = None if sim.dispatch_order == "fifo" else sim.max_staleness
+    key = sim.replace(cells=2, capacity=1, mu=1, phi=0, max_staleness=gate)
     if key not in _TRACES:
         _TRACES[key] = make_trace(sim)
     return _TRACES[key]
 
 
+# The fields of a setting that are SimConfig's (the rest are the policy's options).
+SCHEDULE_FIELDS = ("mu", "phi", "dispatch_order")
+
+
+def with_schedule(sim: SimConfig, setting: dict) -> SimConfig:
+    """`sim` with a setting's `SCHEDULE_FIELDS`."""
+    return sim.replace(**{k: setting[k] for k in SCHEDULE_FIELDS if k in setting})
+
+
+def dispatch_orders(sim: SimConfig) -> tuple[str, ...]:
+    """The dispatch orders swept under `sim`: both where its tasks carry a duration hint
+    (`HINTED_WORKLOADS`), else "fifo" alone."""
+    return DISPATCH_ORDERS if sim.workload in HINTED_WORKLOADS else ("fifo",)
+
+
+def loosest_order(sim: SimConfig) -> SimConfig:
+    """`sim` in the one of `dispatch_orders` whose trace has the least `makespan_bound_s`
+    (each order is a different trace): that bound holds whichever order a policy takes."""
+    ordered = [sim.replace(dispatch_order=o) for o in dispatch_orders(sim)]
+    return min(ordered, key=lambda s: makespan_bound_s(s, _trace(s)))
+
+
+def any_order_bound_s(sim: SimConfig) -> float:
+    """`makespan_bound_s` valid whichever of `dispatch_orders` a policy takes."""
+    loosest = loosest_order(sim)
+    return makespan_bound_s(loosest, _trace(loosest))
+
+
 def run_one(job: tuple[dict, str, dict]) -> dict:
-    """(SimConfig fields, policy, setting) -> the run's summary. The setting holds mu and
-    phi (schedule fields) and the policy's options."""
+    """(SimConfig fields, policy, setting) -> the run's summary. The setting holds
+    `SCHEDULE_FIELDS` and the policy's options."""
     fields, policy, setting = job
-    schedule = {k: setting[k] for k in ("mu", "phi") if k in setting}
-    options = {k: v for k, v in setting.items() if k not in schedule}
-    sim = SimConfig(**fields).replace(**schedule)
+    options = {k: v for k, v in setting.items() if k not in SCHEDULE_FIELDS}
+    sim = with_schedule(SimConfig(**fields), setting)
     result = simulate(sim, policy, _trace(sim), **options)
     return {**result.summary(), "setting": setting}
 
@@ -168,16 +202,21 @@ def _async_limit_h(sim: SimConfig, relaxed: SimConfig, split: int, cadences) -> 
     """Async on `relaxed` (more resources than `sim`, on `sim`'s trace) with `split` cells
     training, dispatching as deep as the gate allows, at its best cadence among the
     cadences (those <= S + 1; at mu = 1 alone the gate's limit was beaten, since the mixed
-    workload at S = 2 and 4 runs best at mu = 2 for every policy): an estimate, not a
-    bound."""
+    workload at S = 2 and 4 runs best at mu = 2 for every policy) and dispatch order: an
+    estimate, not a bound."""
     gate = sim.max_staleness
     return min(
         simulate(
-            relaxed.replace(mu=mu), "async", _trace(sim), training_cells=split, lookahead="gate"
+            relaxed.replace(mu=mu, dispatch_order=order),
+            "async",
+            _trace(sim.replace(dispatch_order=order)),
+            training_cells=split,
+            lookahead="gate",
         ).makespan_s
         / HOUR
         for mu in cadences
         if gate is None or mu - 1 <= gate
+        for order in dispatch_orders(sim)
     )
 
 
@@ -228,7 +267,7 @@ class PhasedSplit(Async):
 def run_phased(job: tuple[dict, dict, tuple[float, ...]]) -> float:
     """(SimConfig fields, async setting, splits per phase) -> makespan h (a pool job)."""
     fields, setting, splits = job
-    sim = SimConfig(**fields).replace(mu=setting["mu"], phi=setting["phi"])
+    sim = with_schedule(SimConfig(**fields), setting)
     policy = PhasedSplit(splits, sim.steps, setting.get("lookahead", "phi"))
     return Simulator(sim, policy, _trace(sim), name=policy.label).run().makespan_s / HOUR
 
@@ -249,8 +288,9 @@ def hindsight_split(pool, sim: SimConfig, fair, setting: dict) -> dict:
     advance."""
     x = Fraction(setting["training_cells"]).limit_denominator(12)  # 3.667 -> 11/3
     gate = sim.max_staleness
+    fixed = {k: setting[k] for k in ("training_cells", "dispatch_order") if k in setting}
     settings = [setting] + [
-        {"mu": mu, "phi": 0, "lookahead": "gate", "training_cells": setting["training_cells"]}
+        {"mu": mu, "phi": 0, "lookahead": "gate", **fixed}
         for mu in fair.cadences
         if gate is None or mu - 1 <= gate
     ]
@@ -322,6 +362,7 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
             out += [{"mu": mu, "phi": phi, "lookahead": "phi", **split} for phi in fair.depths]
     if policy == "elastic":
         out += [dict(s, overcommit=share) for share in OVERCOMMITS for s in out]
+    out += [dict(s, dispatch_order=o) for o in dispatch_orders(sim)[1:] for s in out]
     return out
 
 
@@ -353,7 +394,8 @@ def tune(pool, sim: SimConfig, fair) -> dict:
     """Each policy's best setting under `sim`'s gate: all settings on the first seed (for
     async also `finer_splits` beside its best `TOP`), the best `TOP` on every seed; the
     best mean makespan wins. Returns per policy the setting, its runs (one per seed) and
-    the mean of their summaries."""
+    the mean of their summaries; its bound is `any_order_bound_s`, so the same for every
+    policy whichever dispatch order it took."""
     seeds = list(fair.seeds)
     base = dict(vars(sim), seed=seeds[0])
     jobs = [(base, p, s) for p in POLICIES for s in settings(p, sim, fair)]
@@ -382,6 +424,11 @@ def tune(pool, sim: SimConfig, fair) -> dict:
         # Every setting's first-seed (mean staleness, makespan), for the Pareto plot.
         best["sweep"] = [(r["staleness_mean"], r["makespan_h"]) for r in runs]
         out[policy] = best
+    if len(dispatch_orders(sim)) > 1:
+        bounds_h = [any_order_bound_s(sim.replace(seed=seed)) / HOUR for seed in seeds]
+        for best in out.values():
+            best["bound_h"] = float(np.mean(bounds_h))
+            best["over_bound"] = float(np.mean(np.divide(best["per_seed_h"], bounds_h)))
     return out
 
 
@@ -415,6 +462,8 @@ def setting_label(policy: str, setting: dict) -> str:
         parts.insert(0, f"{setting['training_cells']:.4g} train")
     if setting.get("overcommit"):
         parts.append(f"overcommit {setting['overcommit']:g}")
+    if setting.get("dispatch_order", "fifo") != "fifo":
+        parts.append(setting["dispatch_order"].replace("_", " "))
     return ", ".join(parts)
 
 
@@ -426,7 +475,7 @@ def binding_terms(sim: SimConfig, seeds) -> dict[str, int]:
     what limits every policy there)."""
     counts: dict[str, int] = {}
     for seed in seeds:
-        seeded = sim.replace(seed=seed)
+        seeded = loosest_order(sim.replace(seed=seed))
         terms = makespan_bound_terms_s(seeded, _trace(seeded))
         name = max(terms, key=terms.get)
         counts[name] = counts.get(name, 0) + 1

@@ -176,6 +176,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.scheduler.cell_capacity = 0  # executions a rollout cell counts (0: rollout.max_slots)
     c.scheduler.slot_occupancy = 0.0  # > 0: the capacity follows the time agents generate
     c.scheduler.elastic_overcommit = 0.0  # elastic: a share of a cell left short when behind
+    c.scheduler.dispatch_order = "fifo"  # or "longest_first": by rl.tasks_path's "expected_s"
     c.scheduler.max_staleness = 3  # phi + mu: every policy trains within the same bound
     c.scheduler.progress_every_s = 10.0
 

@@ -37,6 +37,9 @@ ADVANTAGES = ("grpo", "mean_centered", "rloo")
 # process (needs the optional vllm package). vLLM servers by URL: rollout.vllm_servers.
 ENGINES = ("jax", "vllm")
 POLICIES = ("elastic", "colocate", "async")
+# The order a run dispatches its tasks in (gyrejax/scheduler/driver.py,
+# dispatch_permutation).
+DISPATCH_ORDERS = ("fifo", "longest_first")
 ENVIRONMENTS = ("mini_repo",)
 # How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
 # boundary), the Python audit-hook guard only (not a boundary), or bwrap when it works.
@@ -506,6 +509,12 @@ class SchedulerConfig:
     # Elastic: while training is behind, the waterlevel may leave up to this share of a
     # cell's capacity of executions waiting for a slot (policies.Elastic, `overcommit`).
     elastic_overcommit: float = 0.0
+    # The order tasks are dispatched in: "fifo" (the data's) or "longest_first": within
+    # each block of S steps' groups, the task with the longest "expected_s" first (needs
+    # rl.tasks_path lines that carry it; scheduler/driver.py, dispatch_permutation). The
+    # run ends no sooner than its last dispatch plus the longest execution dispatched
+    # then, so long tasks started first shorten the tail.
+    dispatch_order: str = "fifo"
     # S: no group is trained more than S weight versions after the one it was sampled
     # with (None: groups train in finish order, bounded only by the dispatch depth).
     max_staleness: int | None = None
@@ -514,6 +523,7 @@ class SchedulerConfig:
     def __post_init__(self):
         _one_of("scheduler", self, "policy", POLICIES)
         _one_of("scheduler", self, "lookahead", ("default", "gate", "phi"))
+        _one_of("scheduler", self, "dispatch_order", DISPATCH_ORDERS)
         _non_negative("scheduler", self, "phi", "cell_capacity", "slot_occupancy")
         if self.slot_occupancy > 0 and self.cell_capacity > 0:
             _fail(
@@ -625,6 +635,12 @@ class Config:
                     f"{x} is not a multiple of cells.sequence={sequence}, the axis a row "
                     "longer than train.row_length is split over",
                 )
+        if self.scheduler.dispatch_order == "longest_first" and not self.rl.tasks_path:
+            _fail(
+                "scheduler.dispatch_order",
+                self.scheduler.dispatch_order,
+                'needs tasks that carry "expected_s": rl.tasks_path (with rl.agent=command)',
+            )
         for name in ("vllm_servers", "engine_servers"):
             servers = getattr(self.rollout, name)
             if servers and (self.train.executions_dir or not self.train.steps):

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyrejax.config import DISPATCH_ORDERS
 from gyrejax.scheduler.driver import TRAINER_TIME, trainer_time
 from gyrejax.scheduler.policies import make_policy
 from gyrejax.scheduler.simulator import (
@@ -320,6 +321,7 @@ small_configs = st.builds(
     to_rollout_s=st.sampled_from([0.0, 300.0]),
     workload=st.sampled_from(WORKLOADS),
     token_exponent=st.sampled_from([0.0, 0.5, 1.0]),
+    dispatch_order=st.sampled_from(DISPATCH_ORDERS),
     seed=st.integers(0, 10**6),
 )
 POLICY_RUNS = [

@@ -5,13 +5,16 @@ the run seed), so demonstrations and RL see the same tasks again: a tiny model c
 them within a CPU budget. With 0, every draw samples new tasks.
 
 External agents (`rl.agent = command`) may instead take their tasks from a JSONL file
-(`rl.tasks_path`; `load_task_file`, `draw_file_task`).
+(`rl.tasks_path`; `load_task_file`, `draw_file_task`). A line may carry "expected_s", its
+expected wall time (e.g. its task family's median), which `scheduler.dispatch_order =
+"longest_first"` dispatches by.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -32,17 +35,19 @@ def draw_tasks(env, config: HarnessConfig, n: int, *, seed: int, run_seed: int =
 class FileTask:
     """A task from `rl.tasks_path`: `data` is its whole JSON line (the agent gets it as
     GYREJAX_TASK); `env_task` the environment's own task, when the line names one (for
-    `rl.reward = environment`)."""
+    `rl.reward = environment`); `expected_s` its line's "expected_s" (None: none)."""
 
     task_id: str
     spec: str
     data: dict
     env_task: object = None
+    expected_s: float | None = None
 
 
-def load_task_file(path: str, env=None) -> list[FileTask]:
+def load_task_file(path: str, env=None, need_expected: bool = False) -> list[FileTask]:
     """The tasks of a JSONL file; with `env`, each line is also resolved to the
     environment's task (`env.task_from_dict`), so its verifier can score it.
+    `need_expected`: every line must carry "expected_s" (a number > 0, seconds).
 
     Raises:
       ConfigError: one line naming rl.tasks_path, the line and what is wrong.
@@ -66,6 +71,16 @@ def load_task_file(path: str, env=None) -> list[FileTask]:
             raise ConfigError(
                 f'{where}: line {n}: expected an object with string "id" and "prompt"'
             )
+        expected = data.get("expected_s")
+        if expected is not None or need_expected:
+            if isinstance(expected, bool) or not isinstance(expected, (int, float)):
+                raise ConfigError(
+                    f'{where}: line {n}: "expected_s"={expected!r}, expected a number of '
+                    "seconds > 0 (scheduler.dispatch_order=longest_first dispatches by it)"
+                )
+            if not (math.isfinite(expected) and expected > 0):
+                raise ConfigError(f'{where}: line {n}: "expected_s"={expected!r}, expected > 0')
+            expected = float(expected)
         env_task = None
         if env is not None:
             if not hasattr(env, "task_from_dict"):
@@ -77,7 +92,7 @@ def load_task_file(path: str, env=None) -> list[FileTask]:
                 env_task = env.task_from_dict(data)
             except (KeyError, TypeError, ValueError) as e:
                 raise ConfigError(f"{where}: line {n}: not a {env.name} task ({e})") from None
-        tasks.append(FileTask(data["id"], data["prompt"], data, env_task))
+        tasks.append(FileTask(data["id"], data["prompt"], data, env_task, expected))
     if not tasks:
         raise ConfigError(f"{where}: no tasks in it")
     return tasks

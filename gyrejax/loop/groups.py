@@ -1,9 +1,10 @@
 """Dispatch: groups of executions, from the policy's decision to a ready group.
 
 Each new group g<seq> takes a task from the environment (`harness.tasks.draw_tasks`,
-seeded by seq; or from `rl.tasks_path`) and runs `rl.group_size` executions through the
-harness (or the external agents), with the rollout weights of the moment
-(`dispatch.jsonl`). Every execution is stored as soon as it ends (`workdir/executions`;
+seeded by seq; or from `rl.tasks_path`, seeded by seq, or under `scheduler.dispatch_order
+= "longest_first"` by the draw `_task_index` puts at seq's place) and runs `rl.group_size`
+executions through the harness (or the external agents), with the rollout weights of the
+moment (`dispatch.jsonl`). Every execution is stored as soon as it ends (`workdir/executions`;
 `executions.jsonl` logs when, for calibration); a group whose executions all ended is
 ready for training. After a restart, groups dispatched before it are ready again (unless
 trained before the checkpoint) and only their missing executions run again.
@@ -21,7 +22,7 @@ from gyrejax.harness.agent import Harness
 from gyrejax.harness.tasks import FileTask, draw_file_task, draw_tasks
 from gyrejax.logs import append_jsonl, prepare_for_append
 from gyrejax.loop.context import RunContext
-from gyrejax.scheduler.driver import GenerationShare
+from gyrejax.scheduler.driver import GenerationShare, dispatch_block, dispatch_permutation
 from gyrejax.trajectory import Execution, ExecutionStore
 
 
@@ -96,10 +97,26 @@ class Groups:
             if e.reward is not None
         ]
 
+    def _task_index(self, seq: int) -> int:
+        """The draw (data index) group `seq` takes: seq itself, or under "longest_first"
+        the one `dispatch_permutation` puts at seq's place in its block. A function of seq
+        alone, so a resumed run gives each seq the same task."""
+        config = self.ctx.config
+        if config.scheduler.dispatch_order == "fifo":
+            return seq
+        block = dispatch_block(config.rl.groups_per_step, config.scheduler.max_staleness)
+        start = seq - seq % block
+        end = min(start + block, max(seq + 1, self.ctx.driver.schedule.groups_total))
+        draws = [
+            draw_file_task(self.tasks, seed=i, run_seed=config.seed) for i in range(start, end)
+        ]
+        order = dispatch_permutation([t.expected_s for t in draws], end - start)
+        return start + order[seq - start]
+
     def _make(self, seq: int, version: int) -> Group:
         config = self.ctx.config
         if self.tasks is not None:
-            task = draw_file_task(self.tasks, seed=seq, run_seed=config.seed)
+            task = draw_file_task(self.tasks, seed=self._task_index(seq), run_seed=config.seed)
         else:
             (task,) = draw_tasks(self.env, config.harness, 1, seed=seq, run_seed=config.seed)
         group = Group(f"g{seq}", seq, task, version, self.ctx.driver.burst)

@@ -89,7 +89,8 @@ class Runtime:
         tasks = None
         if config.rl.tasks_path:  # read (and resolved) now: a bad file is one error line
             scorer = env if config.rl.reward == "environment" else None
-            tasks = load_task_file(config.rl.tasks_path, scorer)
+            by_expected = config.scheduler.dispatch_order == "longest_first"
+            tasks = load_task_file(config.rl.tasks_path, scorer, need_expected=by_expected)
         self.groups = Groups(self.ctx, env, ExecutionStore(workdir / "executions"), tasks)
         self.door: OpenAIServer | None = None  # rl.agent = command: the agents' door
         self.rollout = Rollout(self.ctx, cell_engines)

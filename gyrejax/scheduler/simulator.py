@@ -42,7 +42,8 @@ The model (assumptions, stated so that nobody reads more into the figures):
     its durations and timeout; its tokens scale as f ** `token_exponent` (1: tokens follow
     wall time and the rollout/training ratio never changes; below 1: longer executions
     spend more of their time waiting on tools, so the ratio drifts). Factors are
-    normalised to mean 1;
+    normalised to mean 1. With `dispatch_order` "longest_first", mixed tasks are
+    dispatched long family first within each block of S steps' groups;
   * the rollout cells form one pool of slots (`capacity` per serving cell). When a cell
     stops serving, executions that no longer fit are paused, the most recently started
     first, and resume first (migration itself costs nothing: KV copies take seconds,
@@ -114,11 +115,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from gyrejax.config import DISPATCH_ORDERS
 from gyrejax.scheduler.driver import (
     Driver,
     GenerationShare,
     Schedule,
     capacity_from_share,
+    dispatch_block,
+    dispatch_permutation,
     trainer_time,
 )
 from gyrejax.scheduler.policies import (
@@ -134,6 +138,9 @@ HOUR = 3600.0
 BUCKETS = 32  # context buckets 128 * 2 ** i, i < 32
 SMALLEST_BUCKET_LOG2 = 7  # the engines' smallest context bucket, 128 tokens
 WORKLOADS = ("static", "drift", "mixed")
+# Workloads whose tasks carry a duration hint (a mixed task's family, known before it
+# runs); "longest_first" reorders only these.
+HINTED_WORKLOADS = ("mixed",)
 
 
 def context_bucket(prompt_tokens: int) -> int:
@@ -179,6 +186,11 @@ class SimConfig:
       drift_factor: "drift": the last group's median duration over the first's.
       mixed_factor: "mixed": the long family's median duration over the short one's.
       token_exponent: a group's tokens scale as (its workload factor) ** this.
+      dispatch_order: "fifo" (the trace's order) or "longest_first": within each block of
+        S steps' groups, the long family's tasks first (`driver.dispatch_permutation`,
+        each group's hint its family's median: "mixed" only; static and drift tasks carry
+        no hint, so their order stays). Part of the trace (`make_trace`), so the bounds
+        see it too.
       decode_cores: > 0: the load-dependent model (module docstring), with this many
         cores shared by decoding executions and training; 0: the old model.
       train_cores: load model: the cores a running training step asks for.
@@ -249,6 +261,7 @@ class SimConfig:
     drift_factor: float = 3.0
     mixed_factor: float = 4.0
     token_exponent: float = 1.0
+    dispatch_order: str = "fifo"
     decode_cores: float = 0.0
     train_cores: float = 1.0
     turns: int = 1
@@ -325,6 +338,10 @@ class SimConfig:
             )
         if self.workload not in WORKLOADS:
             raise ValueError(f"sim.workload={self.workload!r}, expected one of {WORKLOADS}")
+        if self.dispatch_order not in DISPATCH_ORDERS:
+            raise ValueError(
+                f"sim.dispatch_order={self.dispatch_order!r}, expected one of {DISPATCH_ORDERS}"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping) -> SimConfig:
@@ -395,7 +412,7 @@ def workload_factors(config: SimConfig, rng: np.random.Generator) -> np.ndarray:
 
 def make_trace(config: SimConfig, seed: int | None = None) -> Trace:
     """Samples steps * B groups of executions (deterministic for a seed; a static trace is
-    the same as before workloads existed)."""
+    the same as before workloads existed), in `config.dispatch_order`."""
     rng = np.random.default_rng(config.seed if seed is None else seed)
     shape = (config.groups, config.group_size)
     base = config.duration_median_s * np.exp(config.duration_sigma * rng.standard_normal(shape))
@@ -423,7 +440,20 @@ def make_trace(config: SimConfig, seed: int | None = None) -> Trace:
     if config.load_model and config.context_tokens > 0 and config.context_sigma > 0:
         context_rng = np.random.default_rng([config.seed if seed is None else seed, 2])
         context = np.exp(config.context_sigma * context_rng.standard_normal(shape))
-    return Trace(duration, tokens, raw >= timeout, factor[:, 0], tool, context, calls)
+    trace = Trace(duration, tokens, raw >= timeout, factor[:, 0], tool, context, calls)
+    return in_dispatch_order(config, trace)
+
+
+def in_dispatch_order(config: SimConfig, trace: Trace) -> Trace:
+    """`trace` with its groups in the order `config.dispatch_order` dispatches them. Only
+    "mixed" tasks carry a hint (their family's median duration); others keep their order."""
+    if config.dispatch_order == "fifo" or config.workload not in HINTED_WORKLOADS:
+        return trace
+    block = dispatch_block(config.groups_per_step, config.max_staleness)
+    order = np.asarray(dispatch_permutation(list(trace.factor), block))
+    fields = ("duration_s", "tokens", "timed_out", "factor", "tool_s", "context_factor", "calls")
+    moved = {k: None if getattr(trace, k) is None else getattr(trace, k)[order] for k in fields}
+    return dataclasses.replace(trace, **moved, bounds={})
 
 
 def lower_bound_s(config: SimConfig, trace: Trace) -> float:
