@@ -9,7 +9,8 @@ What it does: simulates 48 RL steps of ~700K-token, hours-long agent executions 
 of the three policies (gyrejax/scheduler/simulator.py, the same policy code as the
 runtime) and prints, for every workload in `fair.workloads`, cluster shape in
 `fair.shapes` and staleness gate S in `fair.gates`, each policy at its own best
-publication cadence mu, dispatch depth phi and (async) split, all swept under the same S
+publication cadence mu, dispatch depth phi, (async) split and, where tasks carry a
+duration hint (mixed), dispatch order ("fifo" or "longest_first"), all swept under the same S
 (tuned on the first seed, the best three settings re-run on every seed of `fair.seeds`,
 the best mean kept): makespan, the bound valid for any cadence, measured max and mean
 staleness and idle cell-hours by cause; a Pareto plot (makespan against mean staleness);
@@ -32,7 +33,9 @@ cost are NOT published; they are plausible choices, not fitted to the published 
   * switches cost 8.5 s (rollout -> training) and 3.5 s (training -> rollout);
   * workloads: "static" (the above for the whole run); "drift" (the median duration grows
     3x linearly over the run, as a policy learns to use more turns); "mixed" (two task
-    families whose median durations differ 4x). In both, a group's tokens grow as the
+    families whose median durations differ 4x; a task's family, so its median, is known
+    before it runs, so "longest_first" may dispatch the long ones of each block of S
+    steps' groups first). In both, a group's tokens grow as the
     square root of its duration factor (`token_exponent` 0.5: longer executions spend more
     of their time waiting on tools), so the rollout/training ratio drifts; with exponent 1
     it would not (--sensitivity shows 0, 0.5 and 1).

@@ -86,6 +86,7 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert written["schedule"]["lookahead"] == config.scheduler.lookahead
     assert written["schedule"]["slot_occupancy"] == config.scheduler.slot_occupancy
     assert written["schedule"]["elastic_overcommit"] == config.scheduler.elastic_overcommit
+    assert written["schedule"]["dispatch_order"] == "fifo"
     assert all(s["capacity"] >= config.rollout.max_slots for s in steps)
     if policy == "async":
         # The training cell waits for the first groups: before the last dispatch that is

@@ -245,5 +245,6 @@ def schedule_fields(config: Config, cells: int) -> dict:
         "lookahead": sched.lookahead,
         "elastic_overcommit": sched.elastic_overcommit,
         "slot_occupancy": sched.slot_occupancy,
+        "dispatch_order": sched.dispatch_order,
         "timeout_s": config.harness.timeout_s,
     }
