@@ -421,7 +421,7 @@ class Elastic:
         last rollout cell while work is outstanding, and not once the run has dispatched
         every group (the executions still out are its last: they finish ever further
         apart, and one left waiting delays the end). 0 by default: it pays where the
-        cells' work binds (8 x 32 at S = 8 in the benchmark: 1) and only delays
+        cells' work binds (8 x 32 at S = 8 in the benchmark: 0.75-1) and only delays
         executions where the gate does.
     """
 
