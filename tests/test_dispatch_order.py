@@ -102,21 +102,30 @@ def _tasks_config(tmp_path, hints, order="longest_first", steps=3):
 
 
 def test_the_rl_loop_takes_each_block_longest_first_and_again_after_a_restart(tmp_path):
+    def dispatched_tasks(config, n: int) -> tuple[Groups, list[str]]:
+        tasks = load_task_file(config.rl.tasks_path, need_expected=True)
+        ctx = RunContext(config, [], tmp_path, None, Driver(schedule_of(config, 4)))
+        groups = Groups(ctx, MiniRepoEnv(), ExecutionStore(tmp_path / "executions"), tasks)
+        return groups, [groups._make(seq, 0).task.task_id for seq in range(n)]
+
     config = _tasks_config(tmp_path, [10.0 * (i + 1) for i in range(8)])
     tasks = load_task_file(config.rl.tasks_path, need_expected=True)
-
-    def dispatched_tasks() -> list[str]:
-        driver = Driver(schedule_of(config, 4))
-        ctx = RunContext(config, [], tmp_path, None, driver)
-        groups = Groups(ctx, MiniRepoEnv(), ExecutionStore(tmp_path / "executions"), tasks)
-        return [groups._make(seq, 0).task.task_id for seq in range(6)]
-
-    draws = [draw_file_task(tasks, seed=i, run_seed=config.seed) for i in range(6)]
-    block = dispatch_block(2, 2)  # 4 groups; the last block holds the run's last 2
+    draws = [draw_file_task(tasks, seed=i, run_seed=config.seed) for i in range(8)]
+    block = dispatch_block(2, 2)  # 4 groups; whole blocks, also past the run's 6
     expected = [draws[i].task_id for i in naive_order([d.expected_s for d in draws], block)]
-    assert expected != [d.task_id for d in draws]  # the order differs from the data's
-    assert dispatched_tasks() == expected
-    assert dispatched_tasks() == expected  # a function of seq alone: a resume agrees
+    assert expected[:6] != [d.task_id for d in draws[:6]]  # the order differs from the data's
+    assert dispatched_tasks(config, 6)[1] == expected[:6]
+    # A function of seq alone: a restart, also one with more steps, gives the same tasks.
+    longer = _tasks_config(tmp_path, [10.0 * (i + 1) for i in range(8)], steps=4)
+    assert dispatched_tasks(longer, 8)[1] == expected
+    # Where the config now picks another task for a group dispatched before, the resume
+    # stops with one line naming both, instead of training that group on the wrong task.
+    assert expected[2] != expected[1]
+    entry = {"group": "g1", "seq": 1, "task": expected[2], "version": 0}
+    (tmp_path / "dispatch.jsonl").write_text(json.dumps(entry) + "\n")
+    groups, _ = dispatched_tasks(config, 0)
+    with pytest.raises(ConfigError, match=rf"group g1 ran task '{expected[2]}'.*gives it"):
+        groups.resume(set())
 
 
 def test_longest_first_needs_a_hint_on_every_line(tmp_path):

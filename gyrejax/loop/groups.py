@@ -18,6 +18,7 @@ import dataclasses
 
 from absl import logging
 
+from gyrejax.config import ConfigError
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.tasks import FileTask, draw_file_task, draw_tasks
 from gyrejax.logs import append_jsonl, prepare_for_append
@@ -104,14 +105,15 @@ class Groups:
         config = self.ctx.config
         if config.scheduler.dispatch_order == "fifo":
             return seq
+        # Whole blocks, even past the run's last group: a resume with more train.steps
+        # gives every seq already dispatched the same task.
         block = dispatch_block(config.rl.groups_per_step, config.scheduler.max_staleness)
         start = seq - seq % block
-        end = min(start + block, max(seq + 1, self.ctx.driver.schedule.groups_total))
         draws = [
-            draw_file_task(self.tasks, seed=i, run_seed=config.seed) for i in range(start, end)
+            draw_file_task(self.tasks, seed=i, run_seed=config.seed)
+            for i in range(start, start + block)
         ]
-        order = dispatch_permutation([t.expected_s for t in draws], end - start)
-        return start + order[seq - start]
+        return start + dispatch_permutation([t.expected_s for t in draws], block)[seq - start]
 
     def _make(self, seq: int, version: int) -> Group:
         config = self.ctx.config
@@ -165,6 +167,13 @@ class Groups:
             if entry["group"] in trained:
                 continue
             group = self._make(entry["seq"], entry["version"])
+            if entry.get("task", group.task.task_id) != group.task.task_id:
+                raise ConfigError(
+                    f"resume: dispatch.jsonl says group {entry['group']} ran task "
+                    f"{entry['task']!r}, the config now gives it {group.task.task_id!r}; "
+                    "resume with the settings that chose it (seed, rl.tasks_path, harness "
+                    "tasks, rl.groups_per_step, scheduler.dispatch_order, max_staleness)"
+                )
             for execution in self.store.groups([group.group_id], skipped=skipped)[group.group_id]:
                 group.executions[execution.execution_id] = execution
             missing = [i for i in range(size) if f"{group.group_id}/{i}" not in group.executions]
