@@ -362,7 +362,9 @@ def settings(policy: str, sim: SimConfig, fair) -> list[dict]:
             out += [{"mu": mu, "phi": phi, "lookahead": "phi", **split} for phi in fair.depths]
     if policy == "elastic":
         out += [dict(s, overcommit=share) for share in OVERCOMMITS for s in out]
-    out += [dict(s, dispatch_order=o) for o in dispatch_orders(sim)[1:] for s in out]
+    orders = dispatch_orders(sim)
+    if len(orders) > 1:  # each setting in each order, named (whatever `sim`'s own)
+        out = [dict(s, dispatch_order=o) for o in orders for s in out]
     return out
 
 

@@ -5,6 +5,8 @@ dispatched first (`scheduler/driver.py`, `dispatch_permutation`). References: or
 written by hand and a naive selection loop.
 """
 
+import asyncio
+import dataclasses
 import json
 
 import numpy as np
@@ -71,10 +73,11 @@ def test_the_benchmark_sweeps_both_orders_where_tasks_carry_a_hint():
     cfg = bench.load_config("configs/sim_paper.py:quick")
     mixed = bench.fair_case(cfg, "mixed", 4, 4, 2).replace(steps=6)
     static = mixed.replace(workload="static")
-    swept = bench.settings("elastic", mixed, cfg.fair)
-    fifo = [s for s in swept if "dispatch_order" not in s]
-    assert swept == fifo + [dict(s, dispatch_order="longest_first") for s in fifo]
-    assert all("dispatch_order" not in s for s in bench.settings("async", static, cfg.fair))
+    plain = bench.settings("elastic", static, cfg.fair)  # static: no hint, no order swept
+    assert all("dispatch_order" not in s for s in plain)
+    assert bench.settings("elastic", mixed, cfg.fair) == [
+        dict(s, dispatch_order=order) for order in ("fifo", "longest_first") for s in plain
+    ]
     # The bound that holds for either order is the lesser of the two traces' bounds (on
     # 16 x 32 at S = 8 longest first lowers it: the deadline chain binds).
     wide = bench.fair_case(bench.load_config("configs/sim_paper.py"), "mixed", 16, 32, 8)
@@ -101,38 +104,65 @@ def _tasks_config(tmp_path, hints, order="longest_first", steps=3):
     return from_dict(c)
 
 
-def test_the_rl_loop_takes_each_block_longest_first_and_again_after_a_restart(tmp_path):
-    def dispatched_tasks(config, n: int) -> tuple[Groups, list[str]]:
+def test_the_rl_loop_orders_as_the_simulator_and_a_resume_keeps_each_groups_task(tmp_path):
+    def make_groups(config) -> tuple[RunContext, Groups]:
         tasks = load_task_file(config.rl.tasks_path, need_expected=True)
         ctx = RunContext(config, [], tmp_path, None, Driver(schedule_of(config, 4)))
-        groups = Groups(ctx, MiniRepoEnv(), ExecutionStore(tmp_path / "executions"), tasks)
-        return groups, [groups._make(seq, 0).task.task_id for seq in range(n)]
+        return ctx, Groups(ctx, MiniRepoEnv(), ExecutionStore(tmp_path / "executions"), tasks)
 
-    config = _tasks_config(tmp_path, [10.0 * (i + 1) for i in range(8)])
+    hints = [10.0 * (i + 1) for i in range(8)]
+    config = _tasks_config(tmp_path, hints)  # 3 steps of 2 groups, S = 2: 6 groups
     tasks = load_task_file(config.rl.tasks_path, need_expected=True)
-    draws = [draw_file_task(tasks, seed=i, run_seed=config.seed) for i in range(8)]
-    block = dispatch_block(2, 2)  # 4 groups; whole blocks, also past the run's 6
-    expected = [draws[i].task_id for i in naive_order([d.expected_s for d in draws], block)]
-    assert expected[:6] != [d.task_id for d in draws[:6]]  # the order differs from the data's
-    assert dispatched_tasks(config, 6)[1] == expected[:6]
-    # A function of seq alone: a restart, also one with more steps, gives the same tasks.
-    longer = _tasks_config(tmp_path, [10.0 * (i + 1) for i in range(8)], steps=4)
-    assert dispatched_tasks(longer, 8)[1] == expected
-    # Where the config now picks another task for a group dispatched before, the resume
-    # stops with one line naming both, instead of training that group on the wrong task.
-    assert expected[2] != expected[1]
-    entry = {"group": "g1", "seq": 1, "task": expected[2], "version": 0}
-    (tmp_path / "dispatch.jsonl").write_text(json.dumps(entry) + "\n")
-    groups, _ = dispatched_tasks(config, 0)
-    with pytest.raises(ConfigError, match=rf"group g1 ran task '{expected[2]}'.*gives it"):
+    draws = [draw_file_task(tasks, seed=i, run_seed=config.seed) for i in range(6)]
+    # Blocks of 4 groups, the last cut at the run's end, as the simulator's trace is.
+    order = naive_order([d.expected_s for d in draws], dispatch_block(2, 2))
+    assert order != list(range(6))  # the order differs from the data's
+    _, groups = make_groups(config)
+    assert [groups._task_index(seq) for seq in range(6)] == order
+    assert [groups._make(seq, 0).task.task_id for seq in range(6)] == [
+        draws[i].task_id for i in order
+    ]
+    # A resume with more steps lengthens the last block, which would give seqs 4 and 5
+    # other draws; each group dispatched before keeps the draw dispatch.jsonl recorded.
+    longer = _tasks_config(tmp_path, hints, steps=4)
+    _, moved = make_groups(longer)
+    changed = [seq for seq in (4, 5) if moved._task_index(seq) != order[seq]]
+    assert changed
+    entries = [
+        {"group": f"g{seq}", "seq": seq, "task": draws[order[seq]].task_id, "draw": order[seq],
+         "version": 0}
+        for seq in range(6)
+    ]  # fmt: skip
+    (tmp_path / "dispatch.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+    async def resume(config) -> Groups:
+        ctx, groups = make_groups(config)
         groups.resume(set())
+        for task in ctx.tasks():  # the re-runs of missing executions: not started here
+            task.cancel()
+        return groups
+
+    resumed = asyncio.run(resume(longer))
+    assert [resumed.groups[f"g{seq}"].task.task_id for seq in range(6)] == [
+        e["task"] for e in entries
+    ]
+    assert resumed.next_seq == 6
+    # Where the settings now give a group another task (here: another seed), the resume
+    # stops with one line naming both, instead of training it on the wrong task.
+    reseeded = dataclasses.replace(longer, seed=7)
+    with pytest.raises(ConfigError, match=r"group g0 ran task '.*', the config now gives it"):
+        asyncio.run(resume(reseeded))
 
 
 def test_longest_first_needs_a_hint_on_every_line(tmp_path):
     with pytest.raises(ConfigError, match=r"line 2: \"expected_s\"=None, expected a number"):
         load_task_file(str(_tasks_config(tmp_path, [5.0, None]).rl.tasks_path), need_expected=True)
-    for bad, message in (("-1", r"line 1: \"expected_s\"=-1, expected > 0"),
-                         ('"9"', r"line 1: \"expected_s\"='9', expected a number")):  # fmt: skip
+    bad_values = (
+        ("-1", r"line 1: \"expected_s\"=-1, expected a finite number > 0"),
+        ('"9"', r"line 1: \"expected_s\"='9', expected a number"),
+        ("1" + "0" * 400, r"line 1: \"expected_s\"=10+, expected a finite"),  # overflows
+    )
+    for bad, message in bad_values:
         path = tmp_path / "bad.jsonl"
         path.write_text('{"id": "a", "prompt": "p", "expected_s": ' + bad + "}\n")
         with pytest.raises(ConfigError, match=message):

@@ -78,9 +78,15 @@ def load_task_file(path: str, env=None, need_expected: bool = False) -> list[Fil
                     f'{where}: line {n}: "expected_s"={expected!r}, expected a number of '
                     "seconds > 0 (scheduler.dispatch_order=longest_first dispatches by it)"
                 )
-            if not (math.isfinite(expected) and expected > 0):
-                raise ConfigError(f'{where}: line {n}: "expected_s"={expected!r}, expected > 0')
-            expected = float(expected)
+            try:
+                seconds = float(expected)
+            except OverflowError:  # an int too large for a float
+                seconds = math.inf
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(
+                    f'{where}: line {n}: "expected_s"={expected!r}, expected a finite number > 0'
+                )
+            expected = seconds
         env_task = None
         if env is not None:
             if not hasattr(env, "task_from_dict"):

@@ -78,8 +78,9 @@ class Groups:
         """Dispatches the next group with the current rollout version."""
         seq = self.next_seq
         self.next_seq += 1
-        group = self._make(seq, self.ctx.driver.rollout_version)
-        entry = {"group": group.group_id, "seq": seq, "task": group.task.task_id}
+        draw = self._task_index(seq)
+        group = self._make(seq, self.ctx.driver.rollout_version, draw)
+        entry = {"group": group.group_id, "seq": seq, "task": group.task.task_id, "draw": draw}
         entry.update(version=group.version, time=self.ctx.now())
         append_jsonl(self.ctx.workdir / "dispatch.jsonl", entry)
         self.ctx.spawn(self._run(group, range(self.ctx.config.rl.group_size)))
@@ -100,25 +101,30 @@ class Groups:
 
     def _task_index(self, seq: int) -> int:
         """The draw (data index) group `seq` takes: seq itself, or under "longest_first"
-        the one `dispatch_permutation` puts at seq's place in its block. A function of seq
-        alone, so a resumed run gives each seq the same task."""
+        the one `dispatch_permutation` puts at seq's place in its block, the run's last
+        block cut at its last group as the simulator's trace is (so the run's last
+        groups are the short ones of what is left). `dispatch.jsonl` records it: a
+        resume gives each group dispatched before its own draw, whatever train.steps."""
         config = self.ctx.config
-        if config.scheduler.dispatch_order == "fifo":
+        total = self.ctx.driver.schedule.groups_total
+        if config.scheduler.dispatch_order == "fifo" or seq >= total:
             return seq
-        # Whole blocks, even past the run's last group: a resume with more train.steps
-        # gives every seq already dispatched the same task.
         block = dispatch_block(config.rl.groups_per_step, config.scheduler.max_staleness)
         start = seq - seq % block
+        end = min(start + block, total)
+        # (A resume with more steps lengthens a cut block: its seqs not yet dispatched
+        # may then repeat a draw, as draws with replacement from the file do anyway.)
         draws = [
-            draw_file_task(self.tasks, seed=i, run_seed=config.seed)
-            for i in range(start, start + block)
+            draw_file_task(self.tasks, seed=i, run_seed=config.seed) for i in range(start, end)
         ]
         return start + dispatch_permutation([t.expected_s for t in draws], block)[seq - start]
 
-    def _make(self, seq: int, version: int) -> Group:
+    def _make(self, seq: int, version: int, draw: int | None = None) -> Group:
+        """Group `seq` with the task of `draw` (file tasks; None: `_task_index(seq)`)."""
         config = self.ctx.config
         if self.tasks is not None:
-            task = draw_file_task(self.tasks, seed=self._task_index(seq), run_seed=config.seed)
+            index = self._task_index(seq) if draw is None else draw
+            task = draw_file_task(self.tasks, seed=index, run_seed=config.seed)
         else:
             (task,) = draw_tasks(self.env, config.harness, 1, seed=seq, run_seed=config.seed)
         group = Group(f"g{seq}", seq, task, version, self.ctx.driver.burst)
@@ -166,13 +172,16 @@ class Groups:
         for entry in entries:
             if entry["group"] in trained:
                 continue
-            group = self._make(entry["seq"], entry["version"])
+            draw = entry.get("draw")  # absent in older runs: recomputed
+            group = self._make(
+                entry["seq"], entry["version"], draw if isinstance(draw, int) else None
+            )
             if entry.get("task", group.task.task_id) != group.task.task_id:
                 raise ConfigError(
                     f"resume: dispatch.jsonl says group {entry['group']} ran task "
                     f"{entry['task']!r}, the config now gives it {group.task.task_id!r}; "
-                    "resume with the settings that chose it (seed, rl.tasks_path, harness "
-                    "tasks, rl.groups_per_step, scheduler.dispatch_order, max_staleness)"
+                    "resume with the settings that chose it (seed, rl.tasks_path, the "
+                    "environment's harness settings)"
                 )
             for execution in self.store.groups([group.group_id], skipped=skipped)[group.group_id]:
                 group.executions[execution.execution_id] = execution
