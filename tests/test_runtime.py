@@ -22,7 +22,9 @@ from test_trajectory_store import rewrite_header, set_field
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
+from gyrejax.harness.envs.mini_repo import MiniRepoEnv
 from gyrejax.harness.sandbox import sandbox_summary
+from gyrejax.harness.tasks import draw_tasks
 from gyrejax.loop import PublishedWeights, Runtime
 from gyrejax.loop.engines import Rollout
 from gyrejax.model.hf_io import export_hf, load_hf
@@ -203,9 +205,10 @@ def test_resume_skips_a_bad_stored_record_counts_it_and_runs_it_again(tmp_path, 
         ex_id = f"g0/{i}"
         calls = [dataclasses.replace(call, execution_id=ex_id) for call in ex.calls]
         store.put(dataclasses.replace(ex, execution_id=ex_id, group_id="g0", calls=calls))
-    (tmp_path / "dispatch.jsonl").write_text(
-        json.dumps({"group": "g0", "seq": 0, "task": "t", "version": 0, "time": 0.0}) + "\n"
-    )
+    # The task the config gives g0 (a resume refuses a group recorded with another).
+    (task,) = draw_tasks(MiniRepoEnv(), config.harness, 1, seed=0, run_seed=config.seed)
+    entry = {"group": "g0", "seq": 0, "task": task.task_id, "version": 0, "time": 0.0}
+    (tmp_path / "dispatch.jsonl").write_text(json.dumps(entry) + "\n")
     bad = store.path_for("g0/1")
     rewrite_header(bad, set_field("reward", "abc"))
 
