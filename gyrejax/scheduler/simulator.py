@@ -451,8 +451,9 @@ def in_dispatch_order(config: SimConfig, trace: Trace) -> Trace:
         return trace
     block = dispatch_block(config.groups_per_step, config.max_staleness)
     order = np.asarray(dispatch_permutation(list(trace.factor), block))
-    fields = ("duration_s", "tokens", "timed_out", "factor", "tool_s", "context_factor", "calls")
-    moved = {k: None if getattr(trace, k) is None else getattr(trace, k)[order] for k in fields}
+    # Every array field is per group along its first axis; `bounds` is a cache.
+    arrays = [f.name for f in dataclasses.fields(trace) if f.name != "bounds"]
+    moved = {k: None if getattr(trace, k) is None else getattr(trace, k)[order] for k in arrays}
     return dataclasses.replace(trace, **moved, bounds={})
 
 
