@@ -161,12 +161,12 @@ def _trace(sim: SimConfig):
 
 
 # The fields of a setting that are SimConfig's (the rest are the policy's options).
-SCHEDULE_FIELDS = ("mu", "phi", "dispatch_order")
+SETTING_SIM_FIELDS = ("mu", "phi", "dispatch_order")
 
 
 def with_schedule(sim: SimConfig, setting: dict) -> SimConfig:
-    """`sim` with a setting's `SCHEDULE_FIELDS`."""
-    return sim.replace(**{k: setting[k] for k in SCHEDULE_FIELDS if k in setting})
+    """`sim` with a setting's `SETTING_SIM_FIELDS`."""
+    return sim.replace(**{k: setting[k] for k in SETTING_SIM_FIELDS if k in setting})
 
 
 def dispatch_orders(sim: SimConfig) -> tuple[str, ...]:
@@ -190,9 +190,9 @@ def any_order_bound_s(sim: SimConfig) -> float:
 
 def run_one(job: tuple[dict, str, dict]) -> dict:
     """(SimConfig fields, policy, setting) -> the run's summary. The setting holds
-    `SCHEDULE_FIELDS` and the policy's options."""
+    `SETTING_SIM_FIELDS` and the policy's options."""
     fields, policy, setting = job
-    options = {k: v for k, v in setting.items() if k not in SCHEDULE_FIELDS}
+    options = {k: v for k, v in setting.items() if k not in SETTING_SIM_FIELDS}
     sim = with_schedule(SimConfig(**fields), setting)
     result = simulate(sim, policy, _trace(sim), **options)
     return {**result.summary(), "setting": setting}
