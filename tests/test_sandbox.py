@@ -476,6 +476,43 @@ def test_the_system_is_read_only_and_the_workspace_writable(ws, outside):
     assert result.stdout == f"{[False] * (len(paths) - 1) + [True]}\n[]\n"
 
 
+# Kernel settings a root caller's sandbox could write (issue 40, finding 1): the directory
+# /proc/sys is mode 0555 whoever asks, so only a write to a file in it tells.
+KERNEL_FILES = ["/proc/sys/kernel/core_pattern", "/proc/sys/kernel/core_uses_pid",
+                "/proc/sys/net/ipv4/ip_forward", "/proc/sys/vm/overcommit_memory",
+                "/proc/sysrq-trigger"]  # fmt: skip
+
+
+@needs_bwrap
+def test_kernel_settings_refuse_their_own_value_written_back(ws):
+    # Through libc (the guard never sees it), each file opened for writing and given back
+    # the value it holds: harmless if it got through, so the test can run as root.
+    script = libc_prelude() + (
+        "import os\n"
+        f"for path in {KERNEL_FILES!r}:\n"
+        "    try:\n"
+        "        value = open(path, 'rb').read()\n"
+        "    except OSError:\n"
+        "        value = b''\n"  # sysrq-trigger is write-only
+        "    fd = libc.openat(-100, path.encode(), os.O_WRONLY)\n"
+        "    errno, wrote = ffi.errno, 0\n"
+        "    try:\n"
+        "        wrote = os.write(fd, value) if fd >= 0 and value else 0\n"
+        "    except OSError as e:\n"
+        "        errno = e.errno\n"
+        "    print(path, fd >= 0, wrote, errno)\n"
+    )
+    before = {p: Path(p).read_bytes() for p in KERNEL_FILES if os.access(p, os.R_OK)}
+    result = escape(script, ws)
+    assert result.ok, result.stderr
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert [line[0] for line in lines] == KERNEL_FILES
+    for path, opened, wrote, errno in lines:
+        # Refused at open: read-only (EROFS 30), or absent here (ENOENT 2).
+        assert (opened, wrote, errno in ("30", "2")) == ("False", "0", True), (path, errno)
+    assert {p: Path(p).read_bytes() for p in before} == before
+
+
 # --- choosing the sandbox ------------------------------------------------------------------
 
 

@@ -10,10 +10,11 @@ workspace or argv. Two layers confine it:
    security boundary. The child runs in new user, PID, network, IPC, UTS (and, where the
    kernel allows, cgroup) namespaces, as an unprivileged uid with no capabilities; it sees
    the whole filesystem read-only (`/dev` a minimal read-only device set, `/proc` its own
-   PID namespace's, `/run` empty), with the workspace as the only writable bind, and has
-   no network (only a loopback of its own); it cannot make nested user namespaces
-   (bubblewrap 0.8+). `--new-session` stops it writing to our terminal;
-   `--die-with-parent` and the PID namespace mean nothing it starts outlives the run:
+   PID namespace's and read-only, `/proc/sys` included, `/run` empty), with the
+   workspace as the only writable bind, and has no network (only a loopback of its
+   own); it cannot make nested user namespaces (bubblewrap 0.8+). `--new-session`
+   stops it writing to our terminal; `--die-with-parent` and the PID namespace mean
+   nothing it starts outlives the run:
    when the script ends, or at the wall-clock kill, bubblewrap's init (PID 1 of the
    namespace) exits and the kernel kills every process left in the namespace before that
    exit is seen. So a libc `system()`, a `setsid` child, a symlink swapped under a check,
@@ -278,7 +279,11 @@ def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
         "--proc", "/proc",
         "--tmpfs", "/run",
         "--bind", str(root), str(root),
-        "--remount-ro", "/dev", "--remount-ro", "/run",
+        # /proc read-only as a whole: bubblewrap covers /proc/sys and /proc/sysrq-trigger
+        # only where the sandbox user cannot already write them, and under a root caller
+        # it can (the kernel sees uid 0), so a sysctl such as kernel.core_pattern would
+        # be a host-root escape. Nothing agent code needs writes to /proc.
+        "--remount-ro", "/dev", "--remount-ro", "/run", "--remount-ro", "/proc",
         "--chdir", str(root),
     ]  # fmt: skip
     if info_fd is not None:  # bwrap writes {"child-pid": <its init, our pid space>, ...}
