@@ -280,3 +280,195 @@ def test_context_parallel_never_builds_a_row_by_row_tensor():
     ]
     assert max(sizes) < per_shard * per_shard
     assert compiled.memory_analysis().temp_size_in_bytes < per_shard * per_shard * 4
+
+
+# --- the live-pair schedule and the loop over it --------------------------------------
+
+
+def brute_force_pairs(ends, block, num_query_blocks, q_offset=0, k_offset=0, key_major=False):
+    """Every (query block, key block) pair in which some query of some row sees some key
+    (by the mask's definition, token by token), query-major or key-major."""
+    pairs = []
+    for i in range(num_query_blocks):
+        queries = q_offset + i * block + np.arange(block)
+        for j in range(ends.shape[1] // block):
+            keys = k_offset + j * block + np.arange(block)
+            key_ends = ends[:, j * block : (j + 1) * block]  # [B, block]
+            causal = keys[None, None, :] <= queries[None, :, None]
+            inside = queries[None, :, None] < key_ends[:, None, :]
+            if (causal & inside).any():
+                pairs.append((i, j))
+    return sorted(pairs, key=lambda p: (p[1], p[0])) if key_major else pairs
+
+
+def schedule_pairs(schedule):
+    """The live pairs of a schedule, in order, and its padding entries."""
+    pairs = list(zip(*(np.asarray(x).tolist() for x in schedule[:2]), strict=True))
+    count = int(schedule.count)
+    return pairs[:count], pairs[count:]
+
+
+def assert_schedule_is_brute_force(ends, block, nq=None, q_offset=0, k_offset=0, valid=True):
+    """Both orders equal the brute-force pairs; padding repeats the last live pair.
+    Returns the number of live pairs."""
+    nq = ends.shape[1] // block if nq is None else nq
+    for key_major in (False, True):
+        want = brute_force_pairs(ends, block, nq, q_offset, k_offset, key_major) if valid else []
+        schedule = attention.live_block_schedule(
+            jnp.asarray(ends), block, nq, q_offset, k_offset, key_major=key_major, valid=valid
+        )
+        live, padding = schedule_pairs(schedule)
+        assert live == want
+        assert all(p == (want[-1] if want else (0, 0)) for p in padding)
+    return len(want)
+
+
+def test_schedule_of_rows_of_several_trees_is_the_union_over_rows():
+    """Two rows of different forests (short trees + padding; one long tree): the
+    schedule is the pairs live in either row."""
+    rng = np.random.default_rng(60)
+    short = packed_row(rng, 96, max_tree=12, padding=10)
+    long = packed_row(rng, 96, max_tree=5, long_tree=70, padding=4)
+    ends = np.stack([short, long])
+    both = assert_schedule_is_brute_force(ends, 8)
+    alone = [assert_schedule_is_brute_force(row[None], 8) for row in ends]
+    assert max(alone) < both < 12 * 13 // 2
+    assert_schedule_is_brute_force(np.stack([random_forest_subtree_end(rng, 96)] * 2), 16)
+
+
+def test_schedule_of_a_causal_row_is_every_causal_pair_and_no_padding():
+    n = 8
+    ends = np.full((1, n * 4), n * 4, np.int32)
+    assert assert_schedule_is_brute_force(ends, 4) == n * (n + 1) // 2
+    schedule = attention.live_block_schedule(jnp.asarray(ends), 4)
+    assert schedule.query_block.shape == (n * (n + 1) // 2,)  # static size: causal pairs
+
+
+def test_schedule_of_ring_steps_with_traced_offsets():
+    """A 128-token row over 4 shards of 32: query shard s against key shard s - r, with
+    offsets traced (as in the ring) and steps before the first shard invalid."""
+    rng = np.random.default_rng(61)
+    ends = np.stack([packed_row(rng, 128, max_tree=40, padding=6) for _ in range(2)])
+    per_shard, block = 32, 8
+    nq = per_shard // block
+    build = jax.jit(
+        attention.live_block_schedule, static_argnums=(1, 2), static_argnames="key_major"
+    )
+    counts = []
+    for shard in range(4):
+        for step in range(4):
+            origin = max(shard - step, 0)
+            key_ends = ends[:, origin * per_shard : (origin + 1) * per_shard]
+            valid = step <= shard
+            offsets = (shard * per_shard, origin * per_shard)
+            for key_major in (False, True):
+                schedule = build(
+                    jnp.asarray(key_ends), block, nq, *map(jnp.int32, offsets),
+                    key_major=key_major, valid=jnp.bool_(valid),
+                )  # fmt: skip
+                assert schedule.query_block.shape == (nq * nq,)
+                want = brute_force_pairs(key_ends, block, nq, *offsets, key_major)
+                live, padding = schedule_pairs(schedule)
+                assert live == (want if valid else [])
+                assert all(p == (live[-1] if live else (0, 0)) for p in padding)
+            counts.append(len(live))
+    assert 0 < min(c for c in counts if c) and max(counts) < nq * nq  # nontrivial steps
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in it (loop bodies, branches,
+    shard_map and custom-VJP bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from equations(sub)
+
+
+def pair_loops(fn, *args):
+    """The while loops of fn's jaxpr that compute attention (hold a dot product), and
+    the names of the primitives inside each."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    loops = []
+    for eqn in equations(jaxpr):
+        if eqn.primitive.name == "while":
+            inside = {e.primitive.name for e in equations(eqn.params["body_jaxpr"].jaxpr)}
+            if "dot_general" in inside:
+                loops.append(inside)
+    return jaxpr, loops
+
+
+def test_blocked_attention_is_one_loop_per_pass_with_no_conditional():
+    """Forward + backward of the blocked attention: one while loop per pass, no
+    conditional or scan anywhere in the program (jaxpr and compiled HLO)."""
+    q, k, v, ends = map(jnp.asarray, make_inputs(62, length=64))
+
+    def grads(q, k, v):
+        return jax.grad(lambda *a: jnp.sum(blocked(*a, ends) ** 2), (0, 1, 2))(q, k, v)
+
+    jaxpr, loops = pair_loops(grads, q, k, v)
+    assert len(loops) == 2
+    names = {e.primitive.name for e in equations(jaxpr)}
+    assert not names & {"cond", "scan"}
+    hlo = jax.jit(grads).lower(q, k, v).compile().as_text()
+    assert len(re.findall(r"\bwhile\(", hlo)) == 2
+    assert not re.findall(r"\bconditional\(", hlo)
+
+
+def test_ring_pair_loops_have_no_conditional():
+    """In the ring, conditionals are per ring step (a shared predicate); the loops over
+    block pairs (own shard and arriving shard, forward and backward) have none."""
+    rng = np.random.default_rng(63)
+    q, k, v, _ = make_inputs(64, length=64)
+    ends = np.stack([packed_row(rng, 64, max_tree=30, padding=4) for _ in range(2)])
+    layout = attention.SequenceLayout(sequence_mesh((4,)))
+    args = tuple(map(jnp.asarray, (q, k, v)))
+
+    def grads(q, k, v):
+        loss = lambda *a: jnp.sum(ring(*a, jnp.asarray(ends), layout=layout) ** 2)
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    jaxpr, loops = pair_loops(grads, *args)
+    assert len(loops) == 4
+    assert all(not inside & {"cond", "scan", "while"} for inside in loops)
+    assert "cond" in {e.primitive.name for e in equations(jaxpr)}  # the ring's own
+
+
+@pytest.mark.parametrize("shape", ["forest", "causal", "ring_step"])
+def test_pair_loops_run_exactly_the_live_pairs(shape):
+    """The forward and backward loops' own iteration counters equal the brute-force
+    number of live pairs (below the number of all pairs), in the single-device case
+    and for a ring step (traced offsets), and are 0 for an invalid ring step."""
+    rng = np.random.default_rng(65)
+    block, length = 8, 64
+    q, k, v, _ = make_inputs(66, length=length)
+    if shape == "causal":
+        ends = np.full((2, length), length, np.int32)
+    else:  # a ring step: the queries of rows 64..127 against the keys of rows 0..63
+        rows = 2 * length if shape == "ring_step" else length
+        ends = np.stack([packed_row(rng, rows, max_tree=40, padding=5) for _ in range(2)])
+        ends = ends[:, :length]
+    offsets = (length, 0) if shape == "ring_step" else (0, 0)
+    q = attention._group(jnp.asarray(q), k.shape[2])
+    k, v, ends_j = jnp.asarray(k), jnp.asarray(v), jnp.asarray(ends)
+    lse = jnp.zeros(q.shape[:1] + q.shape[2:4] + q.shape[1:2], jnp.float32)
+
+    @jax.jit
+    def pairs(q_offset, k_offset, valid):
+        state = attention._softmax_state(q)
+        _, forward = attention._attend(q, k, v, ends_j, q_offset, k_offset, state, block, valid)
+        grads = attention._zero_grads(q, k, q)
+        _, backward = attention._attend_bwd(
+            q, q, lse, lse, k, v, ends_j, q_offset, k_offset, grads, block, valid=valid
+        )
+        return forward, backward
+
+    n = length // block
+    want = len(brute_force_pairs(ends, block, n, *offsets))
+    assert 0 < want < n * n
+    assert shape != "causal" or want == n * (n + 1) // 2
+    assert tuple(map(int, pairs(*map(jnp.int32, offsets), jnp.bool_(True)))) == (want, want)
+    assert tuple(map(int, pairs(*map(jnp.int32, offsets), jnp.bool_(False)))) == (0, 0)
