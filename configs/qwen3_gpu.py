@@ -1,13 +1,19 @@
-r"""Qwen3 0.6B to 8B (and Qwen2.5 7B) from a Hugging Face checkpoint on H200 GPUs.
+r"""Qwen3 0.6B to 8B (and Qwen2.5 7B) from a Hugging Face checkpoint on H200 or H100 GPUs.
 
-Command (one host of 8 H200s; the variant picks the model, the checkpoint is required):
+Command (one host of 8 GPUs; the variant picks the model and the device, the checkpoint
+is required; the GPU install first: pip install -e '.[gpu]', README "On GPUs"):
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python -m gyrejax.launch \
       --config configs/qwen3_gpu.py:8b --workdir /data/runs/qwen3-8b \
       --config.model.hf_checkpoint=/models/Qwen3-8B
-  Variants: 0.6b, 1.7b, 4b, 8b (Qwen/Qwen3-*), qwen25_7b (Qwen/Qwen2.5-7B-Instruct).
-  Without --config.model.hf_checkpoint it stops at once with one line naming the field.
+  Variants: 0.6b, 1.7b, 4b, 8b (Qwen/Qwen3-*), qwen25_7b (Qwen/Qwen2.5-7B-Instruct), sized
+  for an H200 (141 GB); each with an H100 twin, `<variant>_h100` (80 GB).
+  Without --config.model.hf_checkpoint it stops at once with one line naming the field;
+  on JAX's CPU build (`cells.platform = "gpu"`) with one line naming the GPU install.
   JAX takes 75% of a GPU by default, less than the budgets below: the fraction 0.93 lets it
-  use about 140 GB of an H200's 143771 MiB. Several hosts: launch/slurm.sbatch.
+  use about 131 GB of an H200 (74 GB of an H100), above the 90% the layouts are sized to.
+  The JAX engine shares that allocator with the trainer on every cell; for vLLM on GPU
+  cells see README "On GPUs" (launch refuses the combinations that cannot start or wake).
+  Several hosts: launch/slurm.sbatch.
 
 What it does: loads the checkpoint (architecture from its config.json, weights in
 bfloat16) onto the core cell, splits the devices into cells of `cells.size` GPUs (an
@@ -27,66 +33,77 @@ The architecture fields are the HF config.json values of each checkpoint (Qwen3:
 151936, qk-norm, rope theta 1e6, tied embeddings up to 4B; Qwen2.5 7B: vocab 152064, q/k/v
 bias, untied); load_hf reads them from the checkpoint and the run uses those, and
 tests/test_gpu_configs.py checks that these equal what load_hf reads from the published
-config.json. Each variant trains the longest row, 32768 (Qwen3's native context) else
-16384, on the smallest cell of at most 4 GPUs (so one host runs a core and a satellite)
-that holds it within the budget below, with the float32 master weights and moments the
-trainer keeps for a bfloat16 model (`train.master_dtype`); `rollout.max_seq_len` equals
-the row length (a call trains in one row).
+config.json. The layout rule (the same test checks it): every variant trains whole
+32768-token rows (Qwen3's native context; `rollout.max_seq_len` equals it, so a call
+trains in one row) on the smallest cell of at most 4 GPUs that holds them, with the
+least recomputation that fits (`train.remat`: none, then matmuls, then layer) and the
+loss head in chunks of 4096 positions (`train.loss_chunk_tokens`). An H200 variant then
+spends what is left on a second row per device per micro-step where that still fits. The
+engine's share (`rollout.gpu_memory_utilization`, at most 0.75) leaves the core cell room
+for the trainer's state, and `rollout.max_slots` is what fits that share (at most 32).
+The float32 master weights and moments are kept for the bfloat16 model
+(`train.master_dtype`).
 
 Memory per device, in GB (1e9 bytes), from gyrejax/memory.py on abstract shapes (its
-docstring derives each term; tests/test_gpu_configs.py renders every row below from this
-file and checks it fits). Budget: DEVICE_MEMORY_BYTES, an H200's 141 GB; a layout fits
-if its training peak is at most 90% of that (126.9 GB), the other 10% left for what the
+docstring derives each term, and tests/test_memory.py holds it to XLA's own memory
+analysis of the compiled micro-step; tests/test_gpu_configs.py renders every row below
+from this file and checks it fits). A layout fits if its training peak is at most 90% of
+its device (126.9 GB of an H200, 72.0 GB of an H100), the other 10% left for what the
 estimate leaves out (CUDA context, NCCL buffers, XLA temporaries and fragmentation,
 gathered layers).
 
-Training, the core cell at its peak (one micro-step of train.rows_per_micro_step rows,
-one row per device):
+Training, the core cell at its peak (one micro-step of train.rows_per_micro_step rows):
   * params: the weights micro-steps compute with, in bfloat16 (the masters cast down);
   * master: the float32 master weights the optimizer updates (train.master_dtype);
   * grads: one micro-step's gradients (bfloat16); accum: their float32 sum;
   * optim: AdamW's two moments, float32 like the masters, laid out like the parameters;
-  * act/row: row_length x (layers + 1) x what a layer keeps for its backward per token
-    (16 hidden + 12 intermediate + 12 q + 10 kv bytes and a few per head with qk-norm;
-    Qwen2.5: 6 q and 4 kv; the extra layer is the working set of the layer in backward);
-  * logits: 3 float32 copies of row_length x vocab (rl/objective.py computes logits at
-    every position, not only trained ones: logits, the kept exp, their cotangent), over
-    `tensor`, plus the float32 output matrix and its cotangent;
-  * headroom: 141 GB less the total. Masters and float32 moments cost 8 bytes per
-    parameter more than bfloat16 weights and moments alone (train.master_dtype="same"),
-    which would lose most updates (below).
-  variant    cell    row params master grads accum optim act/row logits  total   headroom
-  0.6b       1x2   32768    0.6    1.2   0.6   1.2   2.4    50.7   30.8   87.5   53.5 38%
-  1.7b       1x4   32768    0.9    1.7   0.9   1.7   3.4    58.0   16.2   82.8   58.2 41%
-  4b         1x4   16384    2.0    4.0   2.0   4.0   8.0    52.2    8.7   81.0   60.0 43%
-  8b         1x4   16384    4.1    8.2   4.1   8.2  16.4    71.8    9.4  122.1   18.9 13%
-  qwen25_7b  1x4   16384    3.8    7.6   3.8   7.6  15.2    57.6    9.2  104.8   36.2 26%
+  * act/row: what every layer keeps for its backward, per row (remat none: each layer's
+    activations, about 16 hidden + 12 intermediate + 12 q + 10 kv bytes per token; matmuls:
+    the layer's input and its weight matmuls' outputs; layer: its input only);
+  * head and layer: the two working sets on top, of which the larger counts: the loss
+    head (a chunk's float32 logits and their cotangent, the float32 output matrix and its
+    cotangent) and the layer whose backward runs (what remat recomputes, its attention's
+    float32 dq, dk, dv);
+  * rows: rows each device trains per micro-step; free: the share of the device the
+    total leaves.
+  variant        cell rows params master grads accum optim remat   act/row  head layer  total free
+  0.6b           1x1     1    1.2    2.4   1.2   2.4   4.8 none       81.1   6.5   0.5   99.5  29%
+  0.6b_h100      1x1     1    1.2    2.4   1.2   2.4   4.8 matmuls    22.5   6.5   2.7   41.0  49%
+  1.7b           1x1     2    3.4    6.9   3.4   6.9  13.8 matmuls    37.6  13.5   7.7  123.1  13%
+  1.7b_h100      1x1     1    3.4    6.9   3.4   6.9  13.8 layer       3.8   8.0   5.1   48.2  40%
+  4b             1x1     2    8.0   16.1   8.0  16.1  32.2 layer       6.0  14.4  15.6  112.6  20%
+  4b_h100        1x2     1    4.0    8.0   4.0   8.0  16.1 layer       6.0   4.7   4.5   56.3  30%
+  8b             1x2     2    8.2   16.4   8.2  16.4  32.8 layer       9.7   9.6  11.4  114.7  19%
+  8b_h100        1x4     1    4.1    8.2   4.1   8.2  16.4 layer       9.7   3.6   3.8   57.3  28%
+  qwen25_7b      1x2     2    7.6   15.2   7.6  15.2  30.5 layer       6.6   9.0  12.2  106.6  24%
+  qwen25_7b_h100 1x4     1    3.8    7.6   3.8   7.6  15.2 layer       6.6   3.3   3.9   53.3  33%
 
 Rollout, an engine on one cell: KV/slot = layers x 2 x kv_heads x head_dim x
 max_seq_len x 2 bytes for the whole model; per device over `tensor` (kv heads); KV =
 slots x that; weights laid out by the rollout rules (tensor-parallel only); share =
-rollout.gpu_memory_utilization x 141 GB; max slots = the slots whose KV fits the share
+rollout.gpu_memory_utilization x the device; max slots = the slots whose KV fits the share
 beside the weights; core = the share plus the trainer's parameters, masters and optimizer
-state, which stay on the core cell while it rolls out (at most 141 GB: the share is 0.75,
-since at 0.85 the 8b and qwen25_7b cores would need 148.5 and 146.5 GB).
-  variant    KV/slot per device slots     KV weights  share max slots   core
-  0.6b           3.8        1.9    32   60.1     0.6  105.8        55  109.9
-  1.7b           3.8        0.9    32   30.1     0.9  105.8       111  111.8
-  4b             2.4        0.6    32   19.3     2.0  105.8       171  119.8
-  8b             2.4        0.6    32   19.3     4.1  105.8       168  134.4
-  qwen25_7b      0.9        0.2    32    7.5     3.8  105.8       434  132.4
+state, which stay on the core cell while it rolls out (at most the device).
+  variant        KV/slot per device slots     KV weights  share max slots   core
+  0.6b               3.8        3.8    27  101.5     1.2  105.8        27  114.1
+  0.6b_h100          3.8        3.8    15   56.4     1.2   60.0        15   68.3
+  1.7b               3.8        3.8    27  101.5     3.4  105.8        27  129.8
+  1.7b_h100          3.8        3.8    12   45.1     3.4   52.0        12   76.1
+  4b                 4.8        4.8    15   72.5     8.0   84.6        15  140.9
+  4b_h100            4.8        2.4    18   43.5     4.0   48.0        18   76.2
+  8b                 4.8        2.4    28   67.6     8.2   77.5        28  134.9
+  8b_h100            4.8        1.2    32   38.7     4.1   48.0        36   76.7
+  qwen25_7b          1.9        0.9    32   30.1     7.6   84.6        81  137.9
+  qwen25_7b_h100     1.9        0.5    32   15.0     3.8   52.0       102   78.7
 
 Why masters: bfloat16 keeps 8 significant bits, so an update below 0.2-0.4% of a weight
 (half its step) rounds away; Adam's updates are about the learning rate (1e-6), weights
 about 0.02, so without masters (train.master_dtype="same") most vanish. With them the
 update lands on the float32 masters, and the bfloat16 weights the micro-steps and engines
 use (the masters cast down) change once the masters cross a bfloat16 step.
-
-Known limits, from the trainer as it is:
-  * No rematerialisation and full-vocabulary logits at every position: a row's
-    activations dominate, which is why 4b, 8b and qwen25_7b train 16384-token rows on 4
-    GPUs (32768 would need 8 GPUs for 4b and does not fit 8 for 8b or qwen25_7b).
 """
+
+from typing import NamedTuple
 
 from ml_collections import config_dict
 
@@ -162,30 +179,60 @@ _ARCHITECTURES = {
         tie_embeddings=False,
     ),
 }
-# Cell shape (fsdp, tensor) and row length per variant, by the rule in the docstring
-# (tests/test_gpu_configs.py checks that the next smaller cell and the longer row do not
-# fit). Tensor parallelism, not fsdp, shrinks a row's activations (fsdp only splits the
-# rows of a micro-step), so the cells grow along `tensor`.
+# Bytes of each device a variant is sized for: an H200's "141 GB" and an H100's 80 GB
+# (the device reports a little more of each). Plain numbers: config files load before
+# JAX is imported.
+DEVICES = {"h200": 141_000_000_000, "h100": 80_000_000_000}
+ROW_LENGTH = 32768  # Qwen3's native context: every variant trains whole 32k-token rows
+LOSS_CHUNK_TOKENS = 4096  # the head's logits 4096 positions at a time (never a whole row)
+
+
+class Layout(NamedTuple):
+    """How a variant uses its device (the rule in the docstring; tests/test_gpu_configs.py
+    checks that no smaller cell or cheaper remat fits)."""
+
+    fsdp: int
+    tensor: int
+    rows_per_device: int  # rows of ROW_LENGTH each device trains per micro-step
+    remat: str  # train.remat
+    gpu_memory_utilization: float  # the engine's share; the core also holds its trainer
+    max_slots: int  # the engine's slots of ROW_LENGTH that fit that share
+
+
+# Each H200 variant and its H100 twin (`<variant>_h100`).
 _LAYOUTS = {
-    "0.6b": ((1, 2), 32768),
-    "1.7b": ((1, 4), 32768),
-    "4b": ((1, 4), 16384),
-    "8b": ((1, 4), 16384),
-    "qwen25_7b": ((1, 4), 16384),
+    "0.6b": Layout(1, 1, 1, "none", 0.75, 27),
+    "0.6b_h100": Layout(1, 1, 1, "matmuls", 0.75, 15),
+    "1.7b": Layout(1, 1, 2, "matmuls", 0.75, 27),
+    "1.7b_h100": Layout(1, 1, 1, "layer", 0.65, 12),
+    "4b": Layout(1, 1, 2, "layer", 0.6, 15),
+    "4b_h100": Layout(1, 2, 1, "layer", 0.6, 18),
+    "8b": Layout(1, 2, 2, "layer", 0.55, 28),
+    "8b_h100": Layout(1, 4, 1, "layer", 0.6, 32),
+    "qwen25_7b": Layout(1, 2, 2, "layer", 0.6, 32),
+    "qwen25_7b_h100": Layout(1, 4, 1, "layer", 0.65, 32),
 }
-VARIANTS = tuple(_ARCHITECTURES)
-# The device every variant is sized for, an H200 (bytes): tests/test_gpu_configs.py checks
-# each layout against it. A plain number: config files load before JAX is imported.
-DEVICE_MEMORY_BYTES = 141_000_000_000
+VARIANTS = tuple(_LAYOUTS)
+
+
+def architecture(variant: str) -> str:
+    """The checkpoint a variant trains (`8b_h100` -> `8b`)."""
+    return variant.removesuffix("_h100")
+
+
+def device(variant: str) -> str:
+    """The device a variant is sized for: "h100" or "h200"."""
+    return "h100" if variant.endswith("_h100") else "h200"
 
 
 def get_config(variant: str | None = None) -> config_dict.ConfigDict:
-    if variant not in _ARCHITECTURES:
+    if variant not in _LAYOUTS:
         raise ValueError(
             f"configs/qwen3_gpu.py: variant {variant!r}; pick one of {', '.join(VARIANTS)} "
             "(e.g. --config configs/qwen3_gpu.py:8b)"
         )
-    (fsdp, tensor), row_length = _LAYOUTS[variant]
+    layout = _LAYOUTS[variant]
+    fsdp, tensor, row_length = layout.fsdp, layout.tensor, ROW_LENGTH
     c = config_dict.ConfigDict()
     c.seed = 0
     # Compiled programs kept in <workdir>/jax_cache: running again (a resume) loads them
@@ -199,10 +246,11 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.cells.fsdp = fsdp
     c.cells.tensor = tensor
     c.cells.sequence = 1  # rows whole on each device (context parallelism: issue 18)
+    c.cells.platform = "gpu"  # on the CPU install, launch names the GPU install and stops
 
     # Model: the checkpoint's architecture (load_hf takes it from config.json), bfloat16.
     c.model = config_dict.ConfigDict()
-    for name, value in _ARCHITECTURES[variant].items():
+    for name, value in _ARCHITECTURES[architecture(variant)].items():
         c.model[name] = value
     c.model.dtype = "bfloat16"
     c.model.attention = "blocked"  # O(row x block) memory; the dense one is [row, row]
@@ -217,13 +265,13 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     # Rollout engines (a JAX engine on each rollout cell), as long as a row.
     c.rollout = config_dict.ConfigDict()
     c.rollout.engine = "jax"  # "vllm" (vLLM on each cell) is untested on GPUs
-    c.rollout.max_slots = 32  # concurrent executions per engine; the table says how many fit
+    c.rollout.max_slots = layout.max_slots  # concurrent executions per engine (the table)
     c.rollout.max_seq_len = row_length
     c.rollout.temperature = 1.0
     c.rollout.narrow = True  # decode only as wide as the busy slots (JAX engines)
-    # vLLM's share of a device; the core cell keeps the trainer's state beside it (with
-    # float32 masters and moments 28.7 GB for 8b: 0.85 would exceed the device).
-    c.rollout.gpu_memory_utilization = 0.75
+    # The engine's share of a device; the core cell keeps the trainer's weights, masters
+    # and moments beside it (the table's "core" column), which sets the share.
+    c.rollout.gpu_memory_utilization = layout.gpu_memory_utilization
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
     c.rollout.vllm_servers = ()
     c.rollout.engine_servers = ()
@@ -234,12 +282,14 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.executions_dir = ""
     c.train.learning_rate = 1e-6
     c.train.row_length = row_length
-    c.train.rows_per_micro_step = fsdp
+    c.train.rows_per_micro_step = fsdp * layout.rows_per_device
     c.train.row_lengths = ()  # row buckets: more compiled row lengths (none)
     c.train.max_row_shapes = 0  # most lengths per batch (0: no cap)
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
     c.train.master_dtype = "float32"  # float32 masters + moments for a bfloat16 model
+    c.train.remat = layout.remat  # none | matmuls | layer: the least recompute that fits
+    c.train.loss_chunk_tokens = LOSS_CHUNK_TOKENS
     c.train.sharding_rules = TRAIN_SHARDING_RULES
 
     # RL objective and trajectory processing.

@@ -64,6 +64,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.cells.fsdp = 2
     c.cells.tensor = 1
     c.cells.sequence = 1  # > 1: rows split over a `sequence` axis (context parallelism)
+    c.cells.platform = "any"  # whatever JAX sees ("gpu": refuse a CPU-only JAX)
 
     # Model: Qwen3-style (q/k norm, tied embeddings), ~0.3M parameters: small enough to
     # learn the task pool in a few CPU minutes. head_dim 64 (vLLM's CPU attention needs it).
@@ -116,6 +117,8 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
     c.train.master_dtype = "float32"  # masters beside a bfloat16 model (none: float32 here)
+    c.train.remat = "none"  # none | matmuls | layer: what a layer keeps for its backward
+    c.train.loss_chunk_tokens = 0  # > 0: the loss head over chunks of positions
     c.train.sharding_rules = TRAIN_SHARDING_RULES
 
     # RL objective and trajectory processing.

@@ -30,12 +30,23 @@ DTYPES = ("float32", "bfloat16")
 # What the trainer keeps the weights it updates and AdamW's moments in (train.master_dtype):
 # float32 master weights beside a low-precision model, or the model's own dtype ("same").
 MASTER_DTYPES = ("float32", "same")
-ATTENTION_IMPLS = ("dense", "blocked")
+# What a decoder layer keeps for its backward in training (train.remat): "none" every
+# activation autodiff saves; "layer" only its input (the layer runs again in the
+# backward); "matmuls" the outputs of its weight matmuls (norms, rotary, SwiGLU and
+# attention run again).
+REMATS = ("none", "layer", "matmuls")
+# Training attention over packed tree rows (model.attention): "dense" (the [L, L]
+# reference), "blocked" (XLA: one loop over the live block pairs; the CPU default),
+# "pallas" (Mosaic GPU kernels for Hopper GPUs, bfloat16, blocks of 64 or 128).
+ATTENTION_IMPLS = ("dense", "blocked", "pallas")
 LOSSES = ("ppo", "grpo", "tis", "sft")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
 # The engine on each cell (gyrejax/rollout/factory.py): the JAX engine, or vLLM in this
 # process (needs the optional vllm package). vLLM servers by URL: rollout.vllm_servers.
 ENGINES = ("jax", "vllm")
+# The JAX platform a config's cells must be on (cells.platform): "any" takes what JAX
+# sees; "gpu" refuses to start on a CPU-only JAX (a GPU config on the CPU install).
+PLATFORMS = ("any", "cpu", "gpu")
 POLICIES = ("elastic", "colocate", "async")
 # The order a run dispatches its tasks in (gyrejax/scheduler/driver.py,
 # dispatch_permutation).
@@ -183,6 +194,14 @@ class ModelConfig:
             _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "expected a positive number")
         _one_of(s, self, "dtype", DTYPES)
         _one_of(s, self, "attention", ATTENTION_IMPLS)
+        if self.attention == "pallas":
+            if self.attention_block_size not in (64, 128):
+                _fail(f"{s}.attention_block_size", self.attention_block_size,
+                      "model.attention='pallas' takes blocks of 64 or 128")  # fmt: skip
+            if self.dtype != "bfloat16" or self.head_dim % 64:
+                _fail(f"{s}.attention", self.attention,
+                      f"the Pallas kernels take bfloat16 and head_dim a multiple of 64, not "
+                      f"model.dtype={self.dtype!r}, model.head_dim={self.head_dim}")  # fmt: skip
         if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
             _fail(
                 f"{s}.tokenizer",
@@ -218,8 +237,10 @@ class CellsConfig:
     # Devices a packed row's length is split over (context-parallel tree attention); the
     # cell's mesh gets a `sequence` axis when > 1.
     sequence: int = 1
+    platform: str = "any"  # PLATFORMS: the devices JAX must see
 
     def __post_init__(self):
+        _one_of("cells", self, "platform", PLATFORMS)
         _non_negative("cells", self, "num_cpu_devices")
         _positive("cells", self, "size", "fsdp", "tensor", "sequence")
         if self.fsdp * self.tensor * self.sequence != self.size:
@@ -266,8 +287,9 @@ class RolloutConfig:
     # a batch-1 tail costs one slot, not all. False: every decode computes every slot.
     narrow: bool = True
     # The fraction of each device's memory a vLLM engine may take (weights, KV cache, its
-    # activations); the trainer's state on the core cell needs the rest. Unused on CPU,
-    # where a vLLM engine's KV cache is sized to max_slots x max_seq_len exactly.
+    # activations); the trainer's state on the core cell needs the rest, and beside JAX
+    # only some allocator set-ups let vLLM have it (preflight.memory_handoff_problem).
+    # Unused on CPU, where a vLLM engine's KV cache is sized to max_slots x max_seq_len.
     gpu_memory_utilization: float = 0.9
     sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, reached by URL and always rolling out beside the rollout
@@ -322,11 +344,19 @@ class TrainConfig:
     # weight is below bfloat16's resolution); with a float32 model it changes nothing.
     # "same": weights and moments in model.dtype only (no master copy).
     master_dtype: str = "float32"
+    remat: str = "none"  # REMATS: what a layer keeps for its backward
+    # The loss head's logits over chunks of this many tokens, each recomputed in the
+    # backward, so a micro-step never holds float32 [tokens, vocab] whole; 0: unchunked.
+    loss_chunk_tokens: int = 0
     sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
 
     def __post_init__(self):
         _positive("train", self, "row_length", "rows_per_micro_step")
         _one_of("train", self, "master_dtype", MASTER_DTYPES)
+        _one_of("train", self, "remat", REMATS)
+        chunk = self.loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            _fail("train.loss_chunk_tokens", chunk, "expected an integer >= 0 (0: unchunked)")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             _fail("train.steps", self.steps, "expected an integer >= 0")
         _non_negative("train", self, "learning_rate", "max_grad_norm", "weight_decay")

@@ -16,20 +16,28 @@ Training (the core cell at the peak of a micro-step, per device):
     it updates (AdamW's two moments take their dtype: float32 with masters, else the
     parameter dtype), moments laid out like their parameters, counters replicated;
   * the KL reference (a second copy of the parameters) when `rl.kl_coef > 0`;
-  * activations: `rows x length x (layers + 1) x kept_bytes_per_token_per_layer` for
-    the micro-step shape with the most tokens per device, rows = its rows / cells.fsdp
-    (the batch is split over fsdp): [train.rows_per_micro_step, train.row_length], or
-    with row buckets (`micro_step_shapes`) possibly one long row of a longer length.
-    `kept_bytes_per_token_per_layer` counts what autodiff keeps for the backward of one
-    decoder layer (its docstring lists each tensor; the test checks the count against
-    JAX's own residuals of the real micro-step loss). The extra layer is the working set
-    of the layer whose backward is running (cotangents, the blocked attention's float32
-    dq/dk/dv), which is smaller than what one layer keeps;
-  * the loss head (`logits_bytes`): rl/objective.py computes float32 logits at every
-    position of every row (not only trained ones), so 3 x rows x length x vocab x 4
-    bytes over `tensor` (the logits, the exp the log-softmax keeps for its backward, and
-    their cotangent), plus what the head keeps per token and the float32 copy of the
-    output matrix `Transformer.logits` makes, with its cotangent.
+  * activations, for the micro-step shape with the most tokens per device (rows = its
+    rows / cells.fsdp, the batch being split over fsdp: [train.rows_per_micro_step,
+    train.row_length], or with row buckets (`micro_step_shapes`) possibly one long row
+    of a longer length): what every layer keeps for its backward,
+    `rows x length x layers x kept_bytes_per_token_per_layer(train.remat)`, whose
+    docstring lists each tensor (tests/test_memory.py checks the counts against JAX's
+    own residuals of the real loss). The rotary tables are the same in every layer (they
+    depend on the positions only), so the compiler keeps one copy: counted once;
+  * then, at the peak, the larger of two working sets:
+    * the loss head (`head`): the hidden-width tensors it keeps per token, float32
+      logits over the vocabulary (`LOGITS_COPIES`: the logits and their cotangent) for
+      every position at once, or with `train.loss_chunk_tokens` for one chunk's, and the
+      float32 output matrix and its cotangent where a copy is made (a lower-precision
+      model's cast, a chunked head's transposed matrix and its accumulated cotangent);
+    * the layer whose backward runs (`working_per_row`): its attention's float32 dq, dk
+      and dv, and under remat what it did not keep, computed again (so it holds what it
+      keeps without remat).
+  tests/test_memory.py holds the whole micro-step estimate (parameters, gradients,
+  accumulator, activations and the working set) to XLA's own compiled memory analysis
+  of the trainer's micro-step on CPU, for float32 models with and without remat and
+  chunking: within 15%. (Float32, because XLA's CPU backend computes bfloat16 in float32
+  and keeps float32 copies of activations that a GPU does not.)
   The update after the last micro-step holds no activations; its peak (parameters,
   masters, optimizer, accumulator, the gradients cast to the dtype of the weights it
   updates and the updates, and with masters the new parameters cast from them) is
@@ -66,11 +74,15 @@ from gyrejax.train.trainer import make_optimizer, micro_step_shapes
 
 # An H200's HBM, as its "141 GB" is usually read (the device reports a little more).
 H200_BYTES = 141_000_000_000
+# An H100's 80 GB (the device reports 81559 MiB; 80 GB leaves the difference spare).
+H100_BYTES = 80_000_000_000
 # The share of the device the estimate leaves for what it does not count (module
 # docstring): a layout fits only if its estimate is at most (1 - HEADROOM) of the device.
 HEADROOM = 0.10
-# Copies of the float32 [rows, length, vocab] logits alive at the loss head's peak.
-LOGITS_COPIES = 3
+# Copies of the float32 [tokens, vocab] logits alive at the loss head's peak: the logits
+# and their cotangent (XLA fuses the softmax into the cotangent; checked in
+# tests/test_memory.py).
+LOGITS_COPIES = 2
 
 
 def cell_mesh(cells: CellsConfig) -> AbstractMesh:
@@ -133,54 +145,88 @@ def _per_device(leaves_and_specs, mesh_shape: dict[str, int], itemsize: int | No
     return total
 
 
-def kept_bytes_per_token_per_layer(model: ModelConfig, tensor: int = 1) -> int:
+def kept_bytes_per_token_per_layer(model: ModelConfig, tensor: int = 1, remat: str = "none") -> int:
     """Bytes one decoder layer keeps for its backward per token, per device.
 
-    Counted from what JAX's autodiff saves for the micro-step loss with bfloat16
-    parameters and the blocked attention (tests/test_gpu_configs.py checks the count
-    against the residuals of the real loss): e = hidden, m = intermediate, q = heads x
-    head_dim, kv = kv_heads x head_dim.
-      * 16 e: two RMSNorms, each its float32 input (4), normed (2) and scaled (2) output;
-      * 12 m: SwiGLU's gate and up projections, the three values silu's backward reads,
-        and their product (2 each);
-      * 6 q (+ 6 with qk-norm): rotated queries, attention output, heads merged (2 each);
-        qk-norm adds its float32 input and normed output (4 + 2);
-      * 4 kv (+ 6 with qk-norm): rotated keys and the values; qk-norm as for queries;
-      * 4 per query head (the attention's float32 log-sum-exp) and, with qk-norm, 8 per
-        query and key head (its float32 rsqrt and product);
-      * 8 head_dim: rotary cos and sin (float32, head_dim / 2 each) for queries and keys;
-      * 16: each RMSNorm's float32 rsqrt and product.
+    Counted from what JAX's autodiff saves for the micro-step loss with the blocked
+    attention (tests/test_memory.py checks every count against the residuals of the real
+    loss): a = the activations' bytes (2 for bfloat16, 4 for float32), e = hidden, m =
+    intermediate, q = heads x head_dim, kv = kv_heads x head_dim.
+      * remat "none":
+        * 2 (4 + 2a) e: two RMSNorms, each its float32 input, normed and scaled output;
+        * 6a m: SwiGLU's gate and up projections, the three values silu's backward
+          reads, and their product;
+        * 3a q (+ (4 + a) q with qk-norm): rotated queries, attention output, heads
+          merged; qk-norm adds its float32 input and normed output;
+        * 2a kv (+ (4 + a) kv with qk-norm): rotated keys and the values;
+        * 4 per query head (the attention's float32 log-sum-exp) and, with qk-norm, 8
+          per query and key head (its float32 rsqrt and product);
+        * 8 head_dim: rotary cos and sin (float32, head_dim / 2 each), queries and keys;
+        * 16: each RMSNorm's float32 rsqrt and product.
+      * "layer": a e, the layer's input;
+      * "matmuls": a (2e + 2m + q + 2kv): the input and the weight matmuls' outputs the
+        backward reads (o's output rebuilds the residual stream; down's is the next
+        layer's input).
     The m, q, kv and per-head terms are split over `tensor` (their activations are
     constrained to the mlp and heads axes); the rest is replicated across it.
 
     Raises:
-      ValueError: for a dtype or attention the count was not derived for.
+      ValueError: for an attention or remat the count was not derived for.
     """
-    if model.dtype != "bfloat16" or model.attention != "blocked":
+    if model.attention not in ("blocked", "pallas"):  # the same residuals: q, k, v, out, lse
         raise ValueError(
-            f"kept_bytes_per_token_per_layer counts bfloat16 with blocked attention, not "
-            f"model.dtype={model.dtype!r}, model.attention={model.attention!r}"
+            f"kept_bytes_per_token_per_layer counts the blocked or Pallas attention, not "
+            f"model.attention={model.attention!r}"
         )
+    a = jnp.dtype(model.dtype).itemsize
     e, m, d = model.hidden_size, model.intermediate_size, model.head_dim
     heads, kv_heads = model.num_heads, model.num_kv_heads
-    norm = 6 if model.qk_norm else 0
+    q, kv = heads * d, kv_heads * d
+    if remat == "layer":
+        return a * e
+    if remat == "matmuls":
+        return a * 2 * e + math.ceil(a * (2 * m + q + 2 * kv) / tensor)
+    if remat != "none":
+        raise ValueError(f"remat={remat!r}: expected one of none, layer, matmuls")
+    norm = 4 + a if model.qk_norm else 0
     split = (
-        12 * m
-        + (6 + norm) * heads * d
-        + (4 + norm) * kv_heads * d
+        6 * a * m
+        + (3 * a + norm) * q
+        + (2 * a + norm) * kv
         + 4 * heads
         + (8 * (heads + kv_heads) if model.qk_norm else 0)
     )
-    return 16 * e + 8 * d + 16 + math.ceil(split / tensor)
+    return 2 * (4 + 2 * a) * e + 8 * d + 16 + math.ceil(split / tensor)
 
 
-def head_bytes_per_token(model: ModelConfig, tensor: int = 1) -> int:
-    """Bytes the loss head holds per token at its peak, per device: `LOGITS_COPIES`
-    float32 logits over the vocabulary (split over `tensor`), plus what it keeps in the
-    hidden width (the final RMSNorm's float32 input (4) and output (2), the float32
-    hidden states the logits are computed from (4)) and 64 bytes of per-token loss
-    scalars (log-probs, ratios, clips, masks)."""
-    return math.ceil(LOGITS_COPIES * 4 * model.vocab_size / tensor) + 10 * model.hidden_size + 64
+def rotary_bytes_per_token(model: ModelConfig) -> int:
+    """The rotary tables' bytes per token in what a layer keeps without remat (float32
+    cos and sin, head_dim / 2 each, for queries and keys): the same in every layer."""
+    return 8 * model.head_dim
+
+
+def attention_gradient_bytes_per_token(model: ModelConfig, tensor: int = 1) -> int:
+    """The float32 dq, dk and dv a layer's attention backward accumulates, per token:
+    4 (q + 2 kv) bytes, split over `tensor`."""
+    d = model.head_dim
+    return math.ceil(4 * (model.num_heads * d + 2 * model.num_kv_heads * d) / tensor)
+
+
+def head_bytes_per_token(model: ModelConfig, chunked: bool = False) -> int:
+    """Bytes the loss head keeps per token in the hidden width: the final RMSNorm's
+    float32 input and its output, the hidden states the logits are computed from (in
+    float32; a chunked head keeps them in the model's dtype and casts each chunk), and
+    64 bytes of per-token loss scalars (log-probs, ratios, clips, masks). The logits are
+    `logits_bytes`."""
+    a = jnp.dtype(model.dtype).itemsize
+    return (4 + a + (a if chunked else 4)) * model.hidden_size + 64
+
+
+def logits_bytes(model: ModelConfig, tokens: int, tensor: int = 1) -> int:
+    """The loss head's float32 [tokens, vocab] buffers at their peak (`LOGITS_COPIES`),
+    split over `tensor`: `tokens` is every position of the micro-step's rows, or with
+    a chunked head one chunk's."""
+    return math.ceil(tokens * LOGITS_COPIES * 4 * model.vocab_size / tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,16 +240,30 @@ class TrainingMemory:
     optimizer: int
     reference: int  # KL anchor; 0 without rl.kl_coef
     rows: int  # rows each device computes per micro-step
-    activations_per_row: int
-    logits: int  # the loss head for all rows, plus the float32 output matrix and cotangent
+    activations_per_row: int  # what every layer keeps for its backward
+    working_per_row: int  # what the layer whose backward runs holds beyond that
+    head: int  # the loss head at its peak, all rows (logits and the output matrix)
 
     @property
     def activations(self) -> int:
         return self.rows * self.activations_per_row
 
     @property
+    def working(self) -> int:
+        """The larger working set on top of the activations: the head or a layer's."""
+        return max(self.head, self.rows * self.working_per_row)
+
+    @property
     def micro_step_peak(self) -> int:
-        return self.resident + self.accumulator + self.gradients + self.activations + self.logits
+        return self.resident + self.accumulator + self.gradients + self.activations + self.working
+
+    @property
+    def micro_step_program(self) -> int:
+        """What the compiled micro-step itself holds: its arguments (parameters, the KL
+        reference, the accumulator), the gradients, activations and working set; the
+        masters and optimizer state stay outside it (what XLA's memory analysis of it
+        sees)."""
+        return self.micro_step_peak - self.master - self.optimizer
 
     @property
     def update_peak(self) -> int:
@@ -307,10 +367,17 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
         ((math.ceil(r / cells.fsdp), n) for r, n in micro_step_shapes(train)),
         key=lambda shape: shape[0] * shape[1],
     )
-    kept = kept_bytes_per_token_per_layer(model, cells.tensor)
-    # The float32 output matrix [hidden, vocab] and its cotangent, gathered over fsdp.
-    head_matrix = 2 * math.ceil(4 * model.hidden_size * model.vocab_size / cells.tensor)
-    logits = rows * length * head_bytes_per_token(model, cells.tensor) + head_matrix
+    tensor = cells.tensor
+    kept = kept_bytes_per_token_per_layer(model, tensor, train.remat)
+    everything = kept_bytes_per_token_per_layer(model, tensor)  # what "none" keeps
+    rotary = rotary_bytes_per_token(model) if train.remat == "none" else 0
+    working = everything - kept + attention_gradient_bytes_per_token(model, tensor)
+    chunk = train.loss_chunk_tokens
+    chunked = 0 < chunk < length
+    head = rows * length * head_bytes_per_token(model, chunked)
+    head += logits_bytes(model, rows * (chunk if chunked else length), tensor)
+    if chunked or model.dtype != "float32":  # float32 [hidden, vocab] and its cotangent
+        head += 2 * math.ceil(4 * model.hidden_size * model.vocab_size / tensor)
     return TrainingMemory(
         params=param_bytes,
         master=float32_bytes if masters else 0,
@@ -319,8 +386,9 @@ def _training(config: Config, state: nnx.State, mesh: AbstractMesh) -> TrainingM
         optimizer=_per_device(opt_pairs, mesh_shape),
         reference=param_bytes if config.rl.kl_coef > 0 else 0,
         rows=rows,
-        activations_per_row=length * (model.num_layers + 1) * kept,
-        logits=logits,
+        activations_per_row=length * (model.num_layers * (kept - rotary) + rotary),
+        working_per_row=length * working,
+        head=head,
     )
 
 
@@ -386,8 +454,10 @@ def estimate(config: Config, hbm_bytes: int = H200_BYTES) -> Estimate:
             f"({1 - HEADROOM:.0%} of {gb(hbm_bytes)} GB): parameters {gb(t.params)}, "
             f"masters {gb(t.master)}, gradients {gb(t.gradients)}, accumulator "
             f"{gb(t.accumulator)}, optimizer {gb(t.optimizer)}, activations "
-            f"{gb(t.activations)} ({t.rows} row(s) of {gb(t.activations_per_row)}), logits "
-            f"{gb(t.logits)}"
+            f"{gb(t.activations)} ({t.rows} row(s) of {gb(t.activations_per_row)}), working "
+            f"set {gb(t.working)} (loss head {gb(t.head)}, a layer's backward "
+            f"{gb(t.rows * t.working_per_row)}); train.remat={config.train.remat!r}, "
+            f"train.loss_chunk_tokens={config.train.loss_chunk_tokens}"
         )
     r = rollout
     if r.total > r.share:
@@ -414,21 +484,23 @@ def gb(num_bytes: float) -> str:
 # The tables configs/qwen3_gpu.py's docstring shows; tests/test_gpu_configs.py renders
 # every row again from the config and finds it there, so no figure can drift.
 _TRAINING_COLUMNS = (
-    ("variant", -10),
+    ("variant", -14),
     ("cell", -4),
-    ("row", 6),
+    ("rows", 4),
     ("params", 6),
     ("master", 6),
     ("grads", 5),
     ("accum", 5),
     ("optim", 5),
+    ("remat", -7),
     ("act/row", 7),
-    ("logits", 6),
+    ("head", 5),
+    ("layer", 5),
     ("total", 6),
-    ("headroom", 10),
+    ("free", 4),
 )
 _ROLLOUT_COLUMNS = (
-    ("variant", -10),
+    ("variant", -14),
     ("KV/slot", 7),
     ("per device", 10),
     ("slots", 5),
@@ -456,10 +528,11 @@ ROLLOUT_HEADER = _line(_ROLLOUT_COLUMNS, tuple(name for name, _ in _ROLLOUT_COLU
 def training_row(name: str, config: Config, est: Estimate) -> str:
     """One line of the training table (GB per device of the core cell)."""
     t, c = est.training, config.cells
-    headroom = f"{gb(est.headroom)} {est.headroom / est.hbm_bytes:.0%}"
-    values = (name, f"{c.fsdp}x{c.tensor}", config.train.row_length, gb(t.params))
+    free = f"{est.headroom / est.hbm_bytes:.0%}"
+    values = (name, f"{c.fsdp}x{c.tensor}", t.rows, gb(t.params))
     values += (gb(t.master), gb(t.gradients), gb(t.accumulator), gb(t.optimizer))
-    values += (gb(t.activations_per_row), gb(t.logits), gb(t.total), headroom)
+    values += (config.train.remat, gb(t.activations_per_row), gb(t.head))
+    values += (gb(t.rows * t.working_per_row), gb(t.total), free)
     return _line(_TRAINING_COLUMNS, values)
 
 

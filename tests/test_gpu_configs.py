@@ -1,7 +1,8 @@
 """configs/qwen3_gpu.py on abstract shapes: published architectures, even layouts, and
-per-device memory that fits an H200 (gyrejax/memory.py), with every figure its docstring
-states rendered again here. Nothing is allocated: `nnx.eval_shape`, `jax.eval_shape` and
-an `AbstractMesh` of one cell stand in for an 8B model and its GPUs."""
+per-device memory that fits an H200 or, for the `_h100` twins, an H100 (gyrejax/memory.py),
+with every figure its docstring states rendered again here. Nothing is allocated:
+`nnx.eval_shape`, `jax.eval_shape` and an `AbstractMesh` of one cell stand in for an 8B
+model and its GPUs."""
 
 import dataclasses
 import functools
@@ -14,15 +15,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import REPO_ROOT
-from flax import nnx
+from test_memory import per_token
 
 from gyrejax import memory, preflight
-from gyrejax.config import TRAIN_SHARDING_RULES, ConfigError, ModelConfig, RLConfig, from_dict
+from gyrejax.config import TRAIN_SHARDING_RULES, ConfigError, from_dict
 from gyrejax.model.hf_io import model_config_from_hf
-from gyrejax.model.transformer import Transformer
-from gyrejax.rl.objective import MICRO_STEP_FIELDS, micro_step_loss
 
-VARIANTS = ("0.6b", "1.7b", "4b", "8b", "qwen25_7b")
+ARCHITECTURES = ("0.6b", "1.7b", "4b", "8b", "qwen25_7b")
+VARIANTS = tuple(v for a in ARCHITECTURES for v in (a, f"{a}_h100"))
 
 _QWEN3_JSON = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -95,26 +95,28 @@ def gpu_config(variant: str, **changes):
     return from_dict(c)
 
 
-def memory_of(config) -> memory.Estimate:
-    """`config`'s per-device memory on the device the config file names."""
-    return memory.estimate(config, hbm_bytes=config_module().DEVICE_MEMORY_BYTES)
+def memory_of(variant: str, **changes) -> memory.Estimate:
+    """The per-device memory of the variant's config with `changes`, on the device the
+    variant is sized for."""
+    module = config_module()
+    return memory.estimate(gpu_config(variant, **changes), module.DEVICES[module.device(variant)])
 
 
 @functools.cache
 def estimate(variant: str) -> memory.Estimate:
-    return memory_of(gpu_config(variant))
+    return memory_of(variant)
 
 
 def test_variants_are_the_config_files():
     assert config_module().VARIANTS == VARIANTS
-    with pytest.raises(ValueError, match=r"variant 'nope'; pick one of 0\.6b, 1\.7b, 4b, 8b"):
+    with pytest.raises(ValueError, match=r"variant 'nope'; pick one of 0\.6b, 0\.6b_h100, 1\.7b"):
         config_module().get_config("nope")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_architecture_is_what_load_hf_reads_from_the_published_checkpoint(variant):
     config = gpu_config(variant)
-    hf, (total_b, non_embedding_b) = PUBLISHED[variant]
+    hf, (total_b, non_embedding_b) = PUBLISHED[config_module().architecture(variant)]
     # The overrides run.build_model passes to load_hf; the rest comes from config.json.
     loaded = model_config_from_hf(
         hf,
@@ -163,7 +165,7 @@ def test_a_host_of_8_gpus_splits_into_cells(variant):
     checks launch runs once it knows the device count pass."""
     config = gpu_config(variant)
     assert 8 % config.cells.size == 0 and 8 // config.cells.size >= 2
-    preflight.check_devices(config, 8)
+    preflight.check_devices(config, 8, "gpu")
 
 
 def test_launch_without_a_checkpoint_exits_with_one_line(tmp_path):
@@ -199,41 +201,60 @@ def test_an_uneven_layout_is_named():
     problems = memory.uneven_shardings(memory.abstract_state(model), mesh, TRAIN_SHARDING_RULES)
     assert "blocks.0.attn.k: dimension 1 (kv_heads=4) is not divisible by tensor=8" in problems
     assert "blocks.0.attn.q: dimension 1 (heads=28) is not divisible by tensor=8" in problems
-    est = memory_of(gpu_config("qwen25_7b", **{"cells.size": 8, "cells.tensor": 8}))
+    est = memory_of("qwen25_7b", **{"cells.size": 8, "cells.tensor": 8})
     assert any("kv_heads=4" in p for p in est.problems)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_variant_fits_an_h200_and_the_docstring_shows_its_figures(variant):
+def test_variant_fits_its_device_and_the_docstring_shows_its_figures(variant):
+    module = config_module()
     config, est = gpu_config(variant), estimate(variant)
-    assert est.hbm_bytes == config_module().DEVICE_MEMORY_BYTES == memory.H200_BYTES == 141e9
+    assert module.DEVICES == {"h200": memory.H200_BYTES, "h100": memory.H100_BYTES}
+    assert est.hbm_bytes == (141e9 if module.device(variant) == "h200" else 80e9)
     assert est.problems == ()
-    assert est.training.total <= est.limit == int(0.9 * 141e9)
+    assert est.training.total <= est.limit == int(0.9 * est.hbm_bytes)
     # The docstring's tables, rendered from the config: no figure is copied by hand.
-    doc = config_module().__doc__
+    doc = module.__doc__
     assert memory.TRAINING_HEADER in doc and memory.ROLLOUT_HEADER in doc
     assert memory.training_row(variant, config, est) in doc
     assert memory.rollout_row(variant, est) in doc
-    # One row per device per micro-step.
-    assert est.training.rows == 1
-    assert config.rollout.max_seq_len == config.train.row_length
+    assert config.rollout.max_seq_len == config.train.row_length == 32768
+    # Never a whole row's float32 [tokens, vocab] logits.
+    assert 0 < config.train.loss_chunk_tokens < config.train.row_length
+
+
+CHEAPEST_FIRST = ("none", "matmuls", "layer")  # recomputation each remat costs
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_layout_is_the_smallest_cell_for_the_longest_row(variant):
-    """The docstring's rule: the longest row (32768, else 16384) on the smallest cell of
-    at most 4 GPUs that holds it, with float32 master weights (the default)."""
+def test_layout_is_the_smallest_cell_and_the_cheapest_remat_that_fit(variant):
+    """The docstring's rule: the smallest cell of at most 4 GPUs (1, 2, 4 along
+    `tensor`) that trains 32768-token rows, with the least recomputation that fits; an
+    H200 variant then takes a second row per device where that still fits, an H100 one
+    never does; the engine's share leaves the core room for the trainer (at most 0.75, in
+    steps of 0.05) and its slots are what fits the share (at most 32)."""
+    module = config_module()
     config, est = gpu_config(variant), estimate(variant)
-    assert est.training.master > 0
-    fits = lambda e: not e.problems
-    assert fits(est) and config.cells.size <= 4
-    fsdp, tensor, row = config.cells.fsdp, config.cells.tensor, config.train.row_length
-    if tensor > 1:
-        smaller = {"cells.size": fsdp * tensor // 2, "cells.tensor": tensor // 2}
-        assert not fits(memory_of(gpu_config(variant, **smaller)))
-    if row < 32768:
-        longer = {"train.row_length": 32768, "rollout.max_seq_len": 32768}
-        assert not fits(memory_of(gpu_config(variant, **longer)))
+    cells, train = config.cells, config.train
+    assert cells.fsdp == 1 and cells.size == cells.tensor <= 4
+    trains = lambda e: not [p for p in e.problems if p.startswith(("training", "train "))]
+    one_row = {"train.rows_per_micro_step": 1}
+    for smaller in (1, 2, 4)[: (1, 2, 4).index(cells.tensor)]:
+        for remat in CHEAPEST_FIRST:
+            shape = {"cells.size": smaller, "cells.tensor": smaller, "train.remat": remat}
+            assert not trains(memory_of(variant, **shape, **one_row)), (smaller, remat)
+    for cheaper in CHEAPEST_FIRST[: CHEAPEST_FIRST.index(train.remat)]:
+        assert not trains(memory_of(variant, **{"train.remat": cheaper}, **one_row)), cheaper
+    rows_per_device = train.rows_per_micro_step // cells.fsdp
+    if module.device(variant) == "h100":
+        assert rows_per_device == 1
+    else:
+        two = trains(memory_of(variant, **{"train.rows_per_micro_step": 2}))
+        assert rows_per_device == (2 if two else 1)
+    share = config.rollout.gpu_memory_utilization
+    r = est.rollout
+    assert share == min(0.75, int((1 - r.core_resident / est.hbm_bytes) * 20) / 20)
+    assert config.rollout.max_slots == min(32, r.max_slots)
 
 
 def test_a_long_row_bucket_is_counted_at_its_length():
@@ -242,56 +263,55 @@ def test_a_long_row_bucket_is_counted_at_its_length():
     budget) may hold a context up to rollout.max_seq_len."""
     row = gpu_config("0.6b").train.row_length
     longer = {"train.row_length": row // 2, "train.row_lengths": (2 * row,)}
-    est = memory_of(gpu_config("0.6b", **longer, **{"rollout.max_seq_len": 2 * row}))
+    est = memory_of("0.6b", **longer, **{"rollout.max_seq_len": 2 * row})
     base = estimate("0.6b").training
     assert est.training.rows == base.rows == 1
     assert est.training.activations_per_row == 2 * base.activations_per_row
     assert any(p.startswith("training needs") for p in est.problems)  # 2L: beyond the cell
 
 
-def test_too_small_cells_and_long_rows_are_reported_with_the_numbers():
-    one_gpu = gpu_config("8b", **{"cells.size": 1, "cells.tensor": 1})
-    est = memory_of(one_gpu)
+def test_too_small_cells_are_reported_with_the_numbers():
+    est = memory_of("8b", **{"cells.size": 1, "cells.tensor": 1})
     t = est.training
     assert t.total > est.limit
     assert (
         f"training needs {memory.gb(t.total)} GB per device, above 126.9 GB (90% of 141.0 GB): "
         f"parameters {memory.gb(t.params)}, masters {memory.gb(t.master)}, gradients "
-        f"{memory.gb(t.gradients)}, accumulator "
-        f"{memory.gb(t.accumulator)}, optimizer {memory.gb(t.optimizer)}, activations "
-        f"{memory.gb(t.activations)} (1 row(s) of {memory.gb(t.activations_per_row)}), "
-        f"logits {memory.gb(t.logits)}"
+        f"{memory.gb(t.gradients)}, accumulator {memory.gb(t.accumulator)}, optimizer "
+        f"{memory.gb(t.optimizer)}, activations {memory.gb(t.activations)} (2 row(s) of "
+        f"{memory.gb(t.activations_per_row)}), working set {memory.gb(t.working)} (loss head "
+        f"{memory.gb(t.head)}, a layer's backward {memory.gb(t.rows * t.working_per_row)}); "
+        "train.remat='layer', train.loss_chunk_tokens=4096"
     ) in est.problems
-    # The docstring's claims about 32768-token rows.
-    rows_32k = {"train.row_length": 32768, "rollout.max_seq_len": 32768}
-    whole_host = {"cells.size": 8, "cells.tensor": 8}
-    assert memory_of(gpu_config("4b", **rows_32k)).problems
-    assert not memory_of(gpu_config("4b", **rows_32k, **whole_host)).problems
-    assert memory_of(gpu_config("8b", **rows_32k, **whole_host)).problems
-    two_by_four = {
-        "cells.size": 8,
-        "cells.fsdp": 2,
-        "cells.tensor": 4,
-        "train.rows_per_micro_step": 2,
-    }
-    assert memory_of(gpu_config("qwen25_7b", **rows_32k, **two_by_four)).problems
+
+
+def test_remat_and_a_chunked_head_are_what_make_32k_rows_fit():
+    """Without them (the trainer before issue 38) no variant's layout holds a 32768-token
+    row on its device: each layer's activations and a whole row's float32 logits."""
+    for variant in VARIANTS:
+        plain = memory_of(variant, **{"train.remat": "none", "train.loss_chunk_tokens": 0})
+        assert estimate(variant).training.total < plain.training.total
+        if gpu_config(variant).train.remat != "none":
+            assert any(p.startswith("training needs") for p in plain.problems), variant
 
 
 def test_rollout_beyond_its_share_is_reported():
     est = estimate("8b")
-    slots = est.rollout.max_slots + 1
-    over = memory_of(gpu_config("8b", **{"rollout.max_slots": slots}))
+    r = est.rollout
+    slots = r.max_slots + 1
+    over = memory_of("8b", **{"rollout.max_slots": slots})
     assert over.problems == (
-        f"rollout needs {memory.gb(over.rollout.total)} GB per device (weights 4.1, KV "
-        f"{memory.gb(over.rollout.kv)} for {slots} slots of 0.6), above its share 105.8 GB "
-        f"(rollout.gpu_memory_utilization=0.75); {slots - 1} slots would fit",
+        f"rollout needs {memory.gb(over.rollout.total)} GB per device (weights "
+        f"{memory.gb(r.weights)}, KV {memory.gb(over.rollout.kv)} for {slots} slots of "
+        f"{memory.gb(r.kv_per_slot_per_device)}), above its share {memory.gb(r.share)} GB "
+        f"(rollout.gpu_memory_utilization=0.55); {slots - 1} slots would fit",
     )
     # The core keeps the trainer's weights and optimizer state beside the engine.
-    whole = memory_of(gpu_config("8b", **{"rollout.gpu_memory_utilization": 1.0}))
-    assert whole.problems == (
+    whole = memory_of("8b", **{"rollout.gpu_memory_utilization": 1.0})
+    assert whole.problems[-1] == (
         f"on the core cell the engine's share 141.0 GB plus the trainer's parameters, "
         f"masters and optimizer state {memory.gb(est.training.resident)} GB exceed the "
-        "device's 141.0 GB",
+        "device's 141.0 GB"
     )
 
 
@@ -303,7 +323,7 @@ def test_trainer_keeps_float32_masters_and_moments_beside_bfloat16_weights():
     t = estimate("0.6b").training
     assert t.master == t.accumulator == 2 * t.params  # float32 vs bfloat16
     assert 0 <= t.optimizer - 4 * t.params < 1024
-    same = memory_of(gpu_config("0.6b", **{"train.master_dtype": "same"})).training
+    same = memory_of("0.6b", **{"train.master_dtype": "same"}).training
     assert same.master == 0 and 0 <= same.optimizer - 2 * same.params < 1024
     assert t.resident - same.resident == t.master + t.optimizer - same.optimizer
     assert t.resident - same.resident - 4 * t.params < 1024  # 8 bytes per parameter
@@ -312,39 +332,15 @@ def test_trainer_keeps_float32_masters_and_moments_beside_bfloat16_weights():
     assert jnp.asarray(0.02, jnp.float32) + 1e-6 != jnp.asarray(0.02, jnp.float32)
 
 
-def _residual_bytes(model: ModelConfig, length: int) -> int:
-    """Bytes of every residual JAX's autodiff keeps for the micro-step loss of one row
-    (parameters included: they cancel in the differences below)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))
-    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
-    dtypes = dict.fromkeys(MICRO_STEP_FIELDS, jnp.int32)
-    dtypes.update(loss_weight=jnp.float32, advantage=jnp.float32, behavior_logprob=jnp.float32)
-    rows = {f: jax.ShapeDtypeStruct((1, length), dtypes[f]) for f in MICRO_STEP_FIELDS}
-
-    def backward(params, rows):
-        loss = lambda p: micro_step_loss(nnx.merge(graphdef, p), rows, RLConfig(), 0)[0]
-        return jax.vjp(loss, params)[1]  # a closure over the residuals
-
-    residuals = jax.tree.leaves(jax.eval_shape(backward, params, rows))
-    return sum(r.size * r.dtype.itemsize for r in residuals)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ARCHITECTURES)
 def test_kept_bytes_equal_the_residuals_jax_keeps(variant):
     """The activation term's per-token count equals what autodiff saves for the real
     loss at the variant's widths (1 and 2 layers, 2 lengths: parameters and per-row
     constants cancel in the differences)."""
     model = dataclasses.replace(gpu_config(variant).model, attention_block_size=16)
-    short, long = 32, 64
-    kept = {
-        (layers, length): _residual_bytes(dataclasses.replace(model, num_layers=layers), length)
-        for layers in (1, 2)
-        for length in (short, long)
-    }
-    per_layer = (kept[2, long] - kept[1, long] - kept[2, short] + kept[1, short]) / (long - short)
+    per_layer, head = per_token(model)
     assert per_layer == memory.kept_bytes_per_token_per_layer(model)
-    # The head keeps one float32 copy of the logits and its hidden-width tensors; the
-    # estimate adds the forward logits and their cotangent as two more copies.
-    head = (kept[1, long] - kept[1, short]) / (long - short) - per_layer
-    two_copies = 2 * 4 * model.vocab_size
-    assert 0 <= memory.head_bytes_per_token(model) - two_copies - head <= 64
+    # The head keeps one float32 copy of the logits (memory.logits_bytes counts the
+    # copies alive at its peak) and its hidden-width tensors.
+    one_copy = 4 * model.vocab_size
+    assert 0 <= memory.head_bytes_per_token(model) + one_copy - head <= 64

@@ -69,8 +69,9 @@ def tree_attention(
     """The configured tree attention (`config.attention`); float[B, L, H, D].
 
     Rows whose length the active sharding rules split over a mesh axis (`length` ->
-    `sequence`) run the blocked attention context-parallel over it; otherwise on each
-    device as it is. The dense reference is left to GSPMD either way.
+    `sequence`) run the blocked attention (or, with "pallas", the kernels) context-
+    parallel over it; otherwise on each device as it is. The dense reference is left to
+    GSPMD either way.
 
     Args:
       q: float[B, L, H, D]; k, v: float[B, L, KV, D]; subtree_end: int32[B, L].
@@ -78,9 +79,16 @@ def tree_attention(
     if config.attention == "dense":
         return attention.dense_tree_attention(q, k, v, subtree_end)
     block = config.attention_block_size
+    kernel = "pallas" if config.attention == "pallas" else "xla"
     layout = sequence_layout(q.shape[0], q.shape[2], k.shape[2])
     if layout is not None:
-        return attention.context_parallel_tree_attention(q, k, v, subtree_end, layout, block)
+        return attention.context_parallel_tree_attention(
+            q, k, v, subtree_end, layout, block, kernel
+        )
+    if kernel == "pallas":
+        from gyrejax.model import attention_kernel  # Mosaic GPU: imported only when chosen
+
+        return attention_kernel.pallas_tree_attention(q, k, v, subtree_end, block)
     return attention.blocked_tree_attention(q, k, v, subtree_end, block)
 
 
@@ -197,6 +205,66 @@ class KVCache:
         return self.k[0].shape[2]
 
 
+# Under `jax.checkpoint` a layer's inputs are always kept; the policy says what else is.
+# "matmuls": dot_generals without batch dimensions, i.e. the weight matmuls (q, k, v, o,
+# gate, up, down); attention's own products carry batch dimensions and run again.
+_REMAT = {
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat_block(
+    block: Block, x: jax.Array, positions: jax.Array, subtree_end: jax.Array, remat: str
+) -> jax.Array:
+    """`block(x, ...)` keeping for its backward only what `_REMAT[remat]` saves.
+
+    `jax.checkpoint` alone says what is saved, not that the rest runs again: the
+    recomputation is the forward's own ops on the same inputs, and a compiler that drops
+    the optimization barriers before common-subexpression elimination (XLA's CPU
+    pipeline) merges the two and keeps every activation after all. So the backward makes
+    the saved activations depend on the layer's output cotangent (`_tie`): the layer
+    runs again from values that differ from the forward's, and only once its backward has
+    begun.
+    """
+    graphdef, state = nnx.split(block)
+
+    def layer(state, x):
+        return nnx.merge(graphdef, state)(x, positions, subtree_end)
+
+    checkpointed = jax.checkpoint(layer, policy=_REMAT[remat])
+
+    @jax.custom_vjp
+    def run(state, x):
+        return layer(state, x)
+
+    def forward(state, x):
+        return jax.vjp(checkpointed, state, x)  # the vjp closure holds only what is saved
+
+    def backward(saved, cotangent):
+        return _tie(saved, cotangent)(cotangent)
+
+    run.defvjp(forward, backward)
+    return run(state, x)
+
+
+def _tie(saved, cotangent: jax.Array):
+    """`saved` with each activation (a float array whose leading [rows, length] are the
+    cotangent's) plus 0 x one element of `cotangent`: equal values (a non-finite
+    cotangent poisons the gradients either way), but a data dependency no compiler may
+    fold away (x * 0 is not 0 for floats), so nothing computed from them is common with
+    the forward or can run before the cotangent exists."""
+    zero = 0 * cotangent.reshape(-1)[0]
+
+    def tie(a):
+        activation = a.ndim >= 2 and a.shape[:2] == cotangent.shape[:2]
+        if activation and jnp.issubdtype(a.dtype, jnp.floating):
+            return a + zero.astype(a.dtype)
+        return a
+
+    return jax.tree.map(tie, saved)
+
+
 class Transformer(nnx.Module):
     """A Qwen2/Qwen3-family causal language model."""
 
@@ -214,15 +282,23 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)
         return constrain(x, ("batch", "length", "embed"))
 
+    def output_matrix(self) -> jax.Array:
+        """float32[embed, vocab]: the matrix that turns final hidden states into logits
+        (the embedding, transposed, when tied)."""
+        if self.config.tie_embeddings:
+            return self.embed[...].astype(jnp.float32).T
+        return self.lm_head[...].astype(jnp.float32)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32[..., vocab] logits from final hidden states float[..., embed]."""
-        hidden = hidden.astype(jnp.float32)
-        if self.config.tie_embeddings:
-            return hidden @ self.embed[...].astype(jnp.float32).T
-        return hidden @ self.lm_head[...].astype(jnp.float32)
+        return hidden.astype(jnp.float32) @ self.output_matrix()
 
     def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, subtree_end: jax.Array
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        subtree_end: jax.Array,
+        remat: str = "none",
     ) -> jax.Array:
         """Final-norm hidden states float[B, L, embed] of packed tree rows.
 
@@ -230,10 +306,15 @@ class Transformer(nnx.Module):
           tokens: int32[B, L].
           positions: int32[B, L], each token's original position (rotary).
           subtree_end: int32[B, L]; key k is visible to query q iff k <= q < subtree_end[k].
+          remat: what each layer keeps for its backward (`config.REMATS`): "none", "layer"
+            (its input only) or "matmuls" (its weight matmuls' outputs too).
         """
         x = self._embed(tokens)
         for block in self.blocks:
-            x = block(x, positions, subtree_end)
+            if remat == "none":
+                x = block(x, positions, subtree_end)
+            else:
+                x = _remat_block(block, x, positions, subtree_end, remat)
         return self.final_norm(x)
 
     def __call__(self, tokens, positions, subtree_end) -> jax.Array:

@@ -95,6 +95,12 @@ def micro_step_shapes(config: TrainConfig) -> tuple[tuple[int, int], ...]:
     )
 
 
+def _head_options(config: TrainConfig) -> tuple[str, int]:
+    """What a micro-step trades compute for memory with (`token_logprobs`'s remat and
+    chunk_tokens): part of a compiled micro-step's identity."""
+    return config.remat, config.loss_chunk_tokens
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (no weight decay on a tiny RL run by default)."""
     return optax.chain(
@@ -216,7 +222,7 @@ class ElasticTrainer:
         if transport is not None:
             transport.bind(self.layout, self.core)
             self.transport = transport
-        keep = {(rl, *shape) for shape in micro_step_shapes(train)}
+        keep = {(rl, *_head_options(train), *shape) for shape in micro_step_shapes(train)}
         self._compiled = {k: v for k, v in self._compiled.items() if k[1:] in keep}
         self._start_phase(rl, train)
 
@@ -321,7 +327,7 @@ class ElasticTrainer:
         train, rl = self.train_config, self.rl
         if shape is None:
             shape = (train.rows_per_micro_step, train.row_length)
-        key = (cell.index, rl, *shape)
+        key = (cell.index, rl, *_head_options(train), *shape)
         with self._compile_lock:
             if key in self._compiled:
                 return self._compiled[key], self._zeros[cell.index], 0.0
@@ -330,6 +336,7 @@ class ElasticTrainer:
             params = self.layout.on(cell)
             acc = self.layout.on(cell, jnp.float32)
             shardings = self.param_shardings(cell)
+            head = dict(zip(("remat", "chunk_tokens"), _head_options(train), strict=True))
 
             def micro_step(params, reference, acc, rows, version):
                 self._compiles += 1  # runs at trace time only
@@ -339,8 +346,8 @@ class ElasticTrainer:
                     ref = None
                     if reference is not None:
                         ref_model = nnx.merge(graphdef, reference)
-                        ref = jax.lax.stop_gradient(token_logprobs(ref_model, rows)[0])
-                    return micro_step_loss(model, rows, rl, version, ref)
+                        ref = jax.lax.stop_gradient(token_logprobs(ref_model, rows, **head)[0])
+                    return micro_step_loss(model, rows, rl, version, ref, **head)
 
                 (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
                 leaves = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
@@ -366,6 +373,13 @@ class ElasticTrainer:
                 self._zeros[cell.index] = jitted.lower().compile()
             self._compiled[key] = compiled
             return compiled, self._zeros[cell.index], time.perf_counter() - start
+
+    def compiled_micro_step(self, cell: Cell, shape: tuple[int, int] | None = None):
+        """The cell's compiled micro-step for rows of `shape` (default: the base [R, L]),
+        compiling it if needed: a `jax.stages.Compiled`, whose `memory_analysis()` is
+        XLA's own account of the step's memory (tests/test_memory.py holds memory.py to
+        it)."""
+        return self._compiled_for(cell, shape)[0]
 
     def precompile(self, cell: Cell) -> float:
         """Compiles `cell`'s micro-step of every shape (`shapes`) ahead of its first
