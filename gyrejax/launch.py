@@ -132,7 +132,7 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         sys.exit(f"gyrejax.launch: {e}")
     try:  # every process's devices: the cells are split over all of them
-        preflight.check_devices(config, jax.device_count())
+        preflight.check_devices(config, jax.device_count(), jax.devices()[0].platform)
     except ConfigError as e:
         sys.exit(f"gyrejax.launch: {e}")
 

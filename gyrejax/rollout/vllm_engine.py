@@ -38,6 +38,28 @@ runs inside the engine core's process (one spawned process per engine, not two),
 forces `spawn` for its processes (scripts need an `if __name__ == "__main__":` guard), and
 eager execution is the default here because torch.compile decodes far slower on small
 CPU machines.
+
+On GPU (UNTESTED: no GPU here; the pure parts below are unit-tested on CPU):
+  * placement: an engine on this process's GPUs `devices` (CUDA ordinals as JAX numbers
+    them, `Device.local_hardware_id`) starts its processes with CUDA_VISIBLE_DEVICES
+    mapped through this process's own list (`visible_devices`): where SLURM or a
+    container narrowed it (CUDA_VISIBLE_DEVICES=4,5,6,7, or GPU UUIDs), ordinal i is the
+    parent's entry i, never the number i;
+  * memory: vLLM starts only if `gpu_memory_utilization` x the GPU's memory is free
+    (`vllm.v1.worker.utils.request_memory`), and its sleep mode unmaps and releases its
+    weights and KV cache to the driver (`CuMemAllocator.sleep`: `unmap_and_release`)
+    and maps fresh physical memory at `wake_up` (`create_and_map`), which fails if
+    another allocator took it meanwhile. Which JAX allocators leave it there is
+    `gyrejax.preflight.memory_handoff_problem`'s business;
+  * in-memory weights (`weight_transfer="ipc"`, `_send_ipc`): vLLM's "ipc" backend
+    (`IPCWeightTransferEngine.receive_weights`) rebuilds each tensor in the worker from
+    a handle keyed by the UUID of the worker's own GPU, so every tensor is shared from
+    the GPU that holds it (a copy on that same GPU, owned by torch's allocator: CUDA IPC
+    shares only torch's own blocks), keyed by that GPU's UUID (`ipc_update`). The copies
+    go in chunks of at most `ipc_chunk_bytes` (`byte_chunks`), layer by layer
+    (`layer_order`: the worker buffers a layer's tensors until the layer is complete),
+    each chunk's copies dropped once the worker loaded it; torch's IPC bookkeeping and
+    cache are emptied after the update.
 """
 
 from __future__ import annotations
@@ -50,6 +72,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -69,6 +92,12 @@ _SEED_STRIDE = 0x9E3779B1
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 # Held while an engine starts with its own CUDA_VISIBLE_DEVICES (the env is per process).
 _SPAWN_ENV_LOCK = threading.Lock()
+# Bytes of copies an in-memory (CUDA IPC) weight update holds at once by default.
+IPC_CHUNK_BYTES = 512 << 20
+# An entry of CUDA_VISIBLE_DEVICES that names a GPU: an index, or a GPU / MIG UUID (or a
+# prefix of one). CUDA stops reading the list at the first entry that is neither.
+_VISIBLE_ENTRY = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z-]+")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # config.json fields a weight update must keep.
 _SHAPE_FIELDS = tuple(
     "model_type vocab_size hidden_size intermediate_size num_hidden_layers "
@@ -148,16 +177,21 @@ class VllmEngine(Engine):
       release: what `release_memory` does (module docstring): "sleep", "stop" or
         "keep"; None: "sleep" where vLLM has sleep mode, else "keep".
       weight_transfer: "ipc" enables in-memory weight updates from CUDA tensors
-        (`update_weights` with a mapping); needs a GPU. Untested on CPU.
+        (`update_weights` with a mapping); needs a GPU. UNTESTED (no GPU here).
       params_to_hf: turns the `Params` an in-memory update gets (the trainer's arrays)
         into HF-named tensors (`hf_io.hf_tensors`); None: they come HF-named.
-      devices: GPU ordinals it runs on (its processes' CUDA_VISIBLE_DEVICES, tensor
-        parallel over them); None: vLLM's default. Ignored on CPU. UNTESTED (no GPU here).
+      ipc_chunk_bytes: the most bytes of tensor copies an in-memory update holds at
+        once (one tensor larger than this is a chunk of its own).
+      devices: this process's GPU ordinals it runs on (JAX's `local_hardware_id`),
+        mapped through this process's CUDA_VISIBLE_DEVICES (`visible_devices`) into its
+        processes' own, tensor parallel over them; None: vLLM's default. Ignored on CPU.
+        UNTESTED (no GPU here).
       engine_args: further `vllm.AsyncEngineArgs` fields (they override the above).
       startup_timeout_s: how long to wait for vLLM to start.
 
     Raises:
-      ValueError: an argument or the checkpoint directory is invalid.
+      ValueError: an argument or the checkpoint directory is invalid, or `devices` are
+        not in this process's CUDA_VISIBLE_DEVICES.
       EngineError: vLLM failed to start.
     """
 
@@ -185,6 +219,7 @@ class VllmEngine(Engine):
         release: str | None = None,
         weight_transfer: str | None = None,
         params_to_hf: Callable[[Mapping], Mapping] | None = None,
+        ipc_chunk_bytes: int = IPC_CHUNK_BYTES,
         devices: Sequence[int] | None = None,
         engine_args: Mapping | None = None,
         startup_timeout_s: float = 600.0,
@@ -201,6 +236,8 @@ class VllmEngine(Engine):
             raise ValueError(f"release={release!r}: expected 'sleep', 'stop' or 'keep'")
         if weight_transfer not in (None, "ipc"):
             raise ValueError(f"weight_transfer={weight_transfer!r}: expected None or 'ipc'")
+        if ipc_chunk_bytes <= 0:
+            raise ValueError(f"ipc_chunk_bytes={ipc_chunk_bytes}: expected > 0")
         self.name = name
         self.checkpoint_dir = _checkpoint_dir(hf_checkpoint_dir)
         self._hf_config = _read_config(self.checkpoint_dir)
@@ -210,6 +247,7 @@ class VllmEngine(Engine):
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
         self._params_to_hf = params_to_hf
+        self.ipc_chunk_bytes = ipc_chunk_bytes
         self._version = version
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()  # guards _held across the caller and engine threads
@@ -255,8 +293,10 @@ class VllmEngine(Engine):
         )
         if kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        self._devices = None if self.on_cpu or not devices else ",".join(map(str, devices))
-        if self._devices is not None:
+        self._devices = None  # its processes' CUDA_VISIBLE_DEVICES
+        if not self.on_cpu and devices:
+            with _SPAWN_ENV_LOCK:  # no engine is starting: the variable is this process's
+                self._devices = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
             args["tensor_parallel_size"] = len(devices)
         if weight_transfer is not None:
             from vllm.config import WeightTransferConfig
@@ -347,7 +387,7 @@ class VllmEngine(Engine):
                 )
             if self._params_to_hf is not None:
                 weights = self._params_to_hf(weights)
-            load = lambda llm: _send_ipc(llm, weights)
+            load = lambda llm: _send_ipc(llm, weights, self.ipc_chunk_bytes, self.name)
         else:
             raise TypeError(
                 f"engine {self.name}: weights of type {type(weights).__name__}; expected an "
@@ -789,37 +829,141 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-async def _send_ipc(llm, weights: Mapping) -> None:
-    """Loads CUDA tensors into the engine by CUDA IPC, without a disk round-trip.
+def visible_devices(ordinals: Sequence[int], parent: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES for processes on this process's GPUs `ordinals`.
 
-    UNTESTED on CPU (it needs a GPU): vLLM's "ipc" weight-transfer backend rebuilds each
-    tensor in the worker from an IPC handle and loads it with the model's `load_weights`.
+    A CUDA ordinal of this process (JAX's `local_hardware_id`) numbers the GPUs this
+    process sees: entry i of its own CUDA_VISIBLE_DEVICES (`parent`), which may be an
+    index or a GPU/MIG UUID, or GPU i when the variable is unset (None). CUDA reads the
+    list up to its first entry that names no GPU.
+
+    Raises:
+      ValueError: naming CUDA_VISIBLE_DEVICES and the ordinals it does not cover.
+    """
+    if not ordinals:
+        raise ValueError("no GPU ordinals given")
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ordinals):
+        raise ValueError(f"GPU ordinals {list(ordinals)}: expected integers >= 0")
+    if parent is None:
+        return ",".join(str(i) for i in ordinals)
+    entries = []
+    for entry in parent.split(","):
+        entry = entry.strip()
+        if not _VISIBLE_ENTRY.fullmatch(entry):
+            break
+        entries.append(entry)
+    missing = [i for i in ordinals if i >= len(entries)]
+    if missing:
+        raise ValueError(
+            f"GPU ordinals {missing} of this process are outside CUDA_VISIBLE_DEVICES="
+            f"{parent!r}, which makes {len(entries)} GPU(s) visible"
+        )
+    return ",".join(entries[i] for i in ordinals)
+
+
+def byte_chunks(sizes: Sequence[int], budget: int) -> list[range]:
+    """Consecutive runs of items whose `sizes` (bytes) add up to at most `budget`; an
+    item larger than `budget` is a run of its own. Together they cover every item once,
+    in order."""
+    if budget <= 0:
+        raise ValueError(f"budget={budget}: expected > 0")
+    chunks, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if size < 0:
+            raise ValueError(f"item {i} has {size} bytes")
+        if i > start and total + size > budget:
+            chunks.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        chunks.append(range(start, len(sizes)))
+    return chunks
+
+
+def layer_order(names: Sequence[str]) -> list[int]:
+    """Indices of HF tensor `names`, layer by layer (`...layers.<i>....` by i, a layer's
+    tensors in their given order), the tensors of no layer first. vLLM's worker buffers
+    a layer's tensors until it has all of them, so a layer sent together is loaded and
+    let go together."""
+
+    def key(i: int):
+        match = _LAYER.search(names[i])
+        return (-1, i) if match is None else (int(match.group(1)), i)
+
+    return sorted(range(len(names)), key=key)
+
+
+def ipc_update(
+    names: Sequence[str],
+    dtype_names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    devices: Sequence[int],
+    handles: Sequence[tuple],
+    uuid_of: Callable[[int], str],
+) -> dict:
+    """The `update_info` of one chunk for vLLM's "ipc" weight-transfer backend
+    (`IPCWeightTransferUpdateInfo`, not packed): tensor i's `reduce_tensor` arguments
+    `handles[i]`, keyed by the UUID (`uuid_of`) of the GPU `devices[i]` (this process's
+    CUDA ordinal) that holds it: the worker on that GPU looks its own UUID up."""
+    counts = {len(names), len(dtype_names), len(shapes), len(devices), len(handles)}
+    if len(counts) != 1:
+        raise ValueError(f"ipc_update: lists of different lengths {sorted(counts)}")
+    keyed = [{uuid_of(device): tuple(args)} for device, args in zip(devices, handles, strict=True)]
+    return {
+        "names": list(names),
+        "dtype_names": list(dtype_names),
+        "shapes": [list(map(int, shape)) for shape in shapes],
+        "ipc_handles_pickled": base64.b64encode(pickle.dumps(keyed)).decode(),
+    }
+
+
+async def _send_ipc(llm, weights: Mapping, chunk_bytes: int, name: str) -> None:
+    """Loads CUDA tensors into the engine by CUDA IPC, without a disk round-trip
+    (module docstring). UNTESTED (it needs a GPU): the chunking, ordering and keying it
+    relies on are the pure functions above, tested on CPU.
     """
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-    device = torch.cuda.current_device()
-    gpu = str(torch.cuda.get_device_properties(device).uuid)
-    names, dtypes, shapes, handles, keep = [], [], [], [], []
-    for name, value in weights.items():
-        tensor = value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
-        # A copy owned by torch's allocator: IPC cannot share memory allocated elsewhere.
-        tensor = tensor.detach().to(f"cuda:{device}").contiguous().clone()
-        keep.append(tensor)
-        names.append(name)
-        dtypes.append(str(tensor.dtype).removeprefix("torch."))
-        shapes.append(list(tensor.shape))
-        handles.append({gpu: reduce_tensor(tensor)[1]})
-    torch.cuda.synchronize()
-    update = {
-        "names": names,
-        "dtype_names": dtypes,
-        "shapes": shapes,
-        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode(),
-    }
+    uuids: dict[int, str] = {}
+
+    def uuid_of(device: int) -> str:
+        if device not in uuids:
+            uuids[device] = str(torch.cuda.get_device_properties(device).uuid)
+        return uuids[device]
+
+    items = list(weights.items())
+    items = [items[i] for i in layer_order([n for n, _ in items])]
+    sizes = [int(v.nbytes) for _, v in items]
+    chunks = byte_chunks(sizes, chunk_bytes)
     await llm.start_weight_update()
-    await llm.update_weights(WeightTransferUpdateRequest(update_info=update))
+    for chunk in chunks:
+        names, dtypes, shapes, devices, handles, copies = [], [], [], [], [], []
+        for key, value in items[chunk.start : chunk.stop]:
+            tensor = value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
+            if tensor.device.type != "cuda":
+                raise TypeError(f"tensor {key!r} is on {tensor.device}, not on a GPU")
+            # A copy on the GPU that holds it, owned by torch's allocator.
+            copy = tensor.detach().contiguous().clone()
+            copies.append(copy)
+            names.append(key)
+            dtypes.append(str(copy.dtype).removeprefix("torch."))
+            shapes.append(list(copy.shape))
+            devices.append(copy.device.index)
+            handles.append(reduce_tensor(copy)[1])
+        for device in set(devices):
+            torch.cuda.synchronize(device)
+        update = ipc_update(names, dtypes, shapes, devices, handles, uuid_of)
+        await llm.update_weights(WeightTransferUpdateRequest(update_info=update))
+        # The worker loaded this chunk (or buffers a layer it has not completed): torch
+        # keeps a block the worker still maps until the worker lets it go.
+        del copies, handles
+        torch.cuda.ipc_collect()
     await llm.finish_weight_update()
-    del keep
     torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
+    logging.info(
+        "engine %s: %.1f MB in %d chunk(s) by CUDA IPC on GPU(s) %s",
+        *(name, sum(sizes) / 2**20, len(chunks), sorted(uuids.values())),
+    )
