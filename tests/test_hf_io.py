@@ -1,6 +1,7 @@
 """HF checkpoint I/O: parity with transformers, export round trip (with the tokenizer),
 config.json written last, clear errors."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,11 +10,14 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from conftest import HF_VARIANTS
 from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gyrejax.config import ConfigError
@@ -220,6 +224,198 @@ def test_bfloat16_export_round_trip(hf_checkpoints, tmp_path):
     again = load_hf(tmp_path / "bf16")
     assert again.config.dtype == "bfloat16"
     jax.tree.map(np.testing.assert_array_equal, params_of(again), params_of(model))
+
+
+# --- the streamed export against the previous implementation ------------------------
+
+
+def reference_hf_tensors(model) -> dict[str, np.ndarray]:
+    """Every tensor of an HF export by plain NumPy, in the order the previous export
+    listed them (which decides the sharding): embed; per layer both norms, q, k, v, o,
+    (o bias), gate, up, down, (q/k/v biases), (q/k norms); final norm; (lm_head); a
+    bias-free Qwen2's zero q/k/v biases last. Ours: q/k/v [e, n, d], o [h, d, e], MLP and
+    lm_head [in, out]; HF: [out, in], heads flattened."""
+    c = model.config
+    dtype = ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32
+    p = params_of(model)
+    out = {"model.embed_tokens.weight": p["embed"]}
+    for i in range(c.num_layers):
+        b, hf = p["blocks"][i], f"model.layers.{i}"
+        out[f"{hf}.input_layernorm.weight"] = b["attn_norm"]["scale"]
+        out[f"{hf}.post_attention_layernorm.weight"] = b["mlp_norm"]["scale"]
+        for proj in "qkv":
+            w = b["attn"][proj]
+            out[f"{hf}.self_attn.{proj}_proj.weight"] = w.reshape(w.shape[0], -1).T
+        o = b["attn"]["o"]
+        out[f"{hf}.self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+        if c.o_bias:
+            out[f"{hf}.self_attn.o_proj.bias"] = b["attn"]["o_bias"]
+        for proj in ("gate", "up", "down"):
+            out[f"{hf}.mlp.{proj}_proj.weight"] = b["mlp"][proj].T
+        if c.qkv_bias:
+            for proj in "qkv":
+                out[f"{hf}.self_attn.{proj}_proj.bias"] = b["attn"][f"{proj}_bias"].reshape(-1)
+        if c.qk_norm:
+            for proj in "qk":
+                out[f"{hf}.self_attn.{proj}_norm.weight"] = b["attn"][f"{proj}_norm"]["scale"]
+    out["model.norm.weight"] = p["final_norm"]["scale"]
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = p["lm_head"].T
+    if not c.qk_norm and not c.qkv_bias:
+        for i in range(c.num_layers):
+            for proj, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+                out[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = np.zeros(heads * c.head_dim)
+    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
+
+
+def reference_export(model, directory, max_shard_bytes):
+    """The files the previous `export_hf` wrote (its weights and index; config.json from
+    `hf_config_from_model`): tensors sharded greedily in order, each file by
+    `safetensors.numpy.save_file`."""
+    directory.mkdir(parents=True)
+    shards = [{}]
+    size = 0
+    tensors = reference_hf_tensors(model)
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    n = len(shards)
+    names = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+            "weight_map": {
+                k: name for name, shard in zip(names, shards, strict=True) for k in shard
+            },
+        }
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = hf_io.hf_config_from_model(model.config)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return tensors
+
+
+@pytest.mark.parametrize("max_shard_bytes", [2 << 30, 40_000], ids=["single", "sharded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2"])
+def test_export_equals_the_reference_byte_for_byte(
+    hf_checkpoints, variant, dtype, max_shard_bytes, tmp_path
+):
+    """Tensor by tensor, then file by file: the same names, dtypes, values, order in each
+    file, sharding and index as the NumPy reference written by safetensors itself."""
+    model = load_hf(hf_checkpoints[variant], dtype=dtype)
+    want = reference_export(model, tmp_path / "want", max_shard_bytes)
+    got = export_hf(model, tmp_path / "got", max_shard_bytes=max_shard_bytes)
+    files = sorted(p.name for p in (tmp_path / "want").iterdir())
+    assert sorted(p.name for p in got.iterdir()) == files
+    assert (len(files) > 3) == (max_shard_bytes == 40_000)
+    seen = set()
+    for name in files:
+        if name.endswith(".safetensors"):
+            with safe_open(got / name, framework="numpy") as f:
+                for key in f.keys():
+                    value = f.get_tensor(key)
+                    assert value.dtype == want[key].dtype, key
+                    np.testing.assert_array_equal(value, want[key], err_msg=key)
+                    seen.add(key)
+        assert (got / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+    assert seen == set(want)
+
+
+def test_float32_parameters_exported_as_bfloat16_round_like_numpy(hf_checkpoints, tmp_path):
+    """Parameters held in float32 under a bfloat16 config are cast on the device: to
+    the same bits as ml_dtypes' round-to-nearest-even on the host."""
+    model = load_hf(hf_checkpoints["qwen3"])
+    model.config = dataclasses.replace(model.config, dtype="bfloat16")
+    assert nnx.state(model)["embed"][...].dtype == jnp.float32
+    want = reference_export(model, tmp_path / "want", 2 << 30)
+    assert want["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
+    got = export_hf(model, tmp_path / "got")
+    for name in ("model.safetensors", "config.json"):
+        assert (got / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+
+
+def test_export_one_tensor_at_a_time_is_the_same(hf_checkpoints, tmp_path, monkeypatch):
+    """With no room to convert ahead (each tensor converted only once the last is
+    written) the files are the same."""
+    model = load_hf(hf_checkpoints["qwen2"], dtype="bfloat16")
+    export_hf(model, tmp_path / "ahead", max_shard_bytes=40_000)
+    monkeypatch.setattr(hf_io, "_EXPORT_LOOKAHEAD_BYTES", 0)
+    export_hf(model, tmp_path / "one", max_shard_bytes=40_000)
+    files = sorted(p.name for p in (tmp_path / "ahead").iterdir())
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "ahead" / name).read_bytes()
+
+
+def test_a_crash_while_streaming_tensors_leaves_no_checkpoint(
+    hf_checkpoints, tmp_path, monkeypatch
+):
+    """Re-exporting over a complete export and failing mid-way (on the device, in the
+    second file): no config.json, no temporary file; the next export is whole again."""
+    model = load_hf(hf_checkpoints["qwen3"])
+    out = export_hf(model, tmp_path / "out", max_shard_bytes=40_000)
+    real = hf_io._to_hf_on_device
+    calls = []
+
+    def failing(x, to_hf, dtype):
+        calls.append(to_hf)
+        if len(calls) == 6:
+            raise RuntimeError("device lost")
+        return real(x, to_hf, dtype)
+
+    monkeypatch.setattr(hf_io, "_EXPORT_LOOKAHEAD_BYTES", 0)
+    monkeypatch.setattr(hf_io, "_to_hf_on_device", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        export_hf(model, out, max_shard_bytes=40_000)
+    assert not (out / "config.json").exists()
+    assert list(out.glob("model-00001-of-*.safetensors"))  # this export's first file
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(CheckpointError, match=r"config\.json: not found"):
+        load_hf(out)
+    monkeypatch.setattr(hf_io, "_to_hf_on_device", real)
+    export_hf(model, out, max_shard_bytes=40_000)
+    jax.tree.map(np.testing.assert_array_equal, params_of(load_hf(out)), params_of(model))
+
+
+def test_export_of_a_model_sharded_over_a_mesh_is_the_same(hf_checkpoints, tmp_path):
+    """Parameters sharded over 4 devices (as a training cell holds them) are converted
+    where they lie and gathered to the host: the same files as from one device."""
+    mesh = jax.make_mesh(
+        (2, 2), ("fsdp", "tensor"), (jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
+    rules = (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"))
+    sharded = load_hf(hf_checkpoints["qwen3"], mesh=mesh, rules=rules, dtype="bfloat16")
+    assert len(nnx.state(sharded)["blocks"][0]["attn"]["q"][...].addressable_shards) == 4
+    one = export_hf(load_hf(hf_checkpoints["qwen3"], dtype="bfloat16"), tmp_path / "one")
+    export_hf(sharded, tmp_path / "mesh")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "mesh" / name).read_bytes() == (one / name).read_bytes(), name
+
+
+def test_bfloat16_export_loads_in_transformers_bit_exactly(hf_checkpoints, tmp_path):
+    """transformers reads the bfloat16 export's bits as they were (its state dict equals
+    ours) and, upcast to float32, computes our logits."""
+    model = load_hf(hf_checkpoints["qwen2"], dtype="bfloat16")
+    out = export_hf(model, tmp_path / "out", max_shard_bytes=40_000)
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    state = reference.state_dict()
+    for name, value in reference_hf_tensors(model).items():
+        got = state[name].view(torch.int16).numpy()
+        np.testing.assert_array_equal(got, value.view(np.int16), err_msg=name)
+    tokens = np.random.default_rng(3).integers(0, 256, (1, 12))
+    with torch.no_grad():
+        want = hf_model(out)(torch.tensor(tokens)).logits.numpy()
+    ours = load_hf(out, dtype="float32")
+    assert np.abs(our_logits(ours, tokens) - want).max() <= 1e-4
 
 
 def test_load_onto_a_mesh_places_shards(hf_checkpoints):

@@ -12,11 +12,18 @@ mean) for the training checkpoints' metadata. Every problem with a checkpoint ra
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import queue
 import shutil
+import struct
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +32,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from gyrejax.config import BYTE_TOKENIZER, ConfigError, ModelConfig, ShardingRules
 from gyrejax.model.sharding import logical_axes_of, logical_to_spec
@@ -51,6 +57,13 @@ TOKENIZER_EXPORT_FILES = (
 _VOCABULARY_FILES = ("vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
 # Tensors some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# At most this many bytes of converted tensors exist at a time during an export (always
+# at least one tensor): enough to keep the device and the copy to the host ahead of the
+# disk, small beside a model.
+_EXPORT_LOOKAHEAD_BYTES = 1 << 30
+_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16"}
 
 
 class CheckpointError(ValueError):
@@ -153,7 +166,11 @@ def hf_config_from_model(config: ModelConfig) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """How one HF tensor maps to one model parameter."""
+    """How one HF tensor maps to one model parameter.
+
+    `to_hf` is a module-level function of the array alone (its shape says the rest), so
+    it works on NumPy and JAX arrays alike and keys the jitted export cache across calls.
+    """
 
     hf_name: str
     path: tuple
@@ -169,17 +186,32 @@ def _identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _heads_to_hf(w: np.ndarray) -> np.ndarray:
+    """Ours [e, n, d] -> HF [n*d, e]."""
+    return _transpose(w.reshape(w.shape[0], -1))
+
+
+def _o_to_hf(w: np.ndarray) -> np.ndarray:
+    """Ours [h, d, e] -> HF [e, h*d]."""
+    return _transpose(w.reshape(-1, w.shape[-1]))
+
+
+def _flatten(b: np.ndarray) -> np.ndarray:
+    """Ours [n, d] -> HF [n*d]."""
+    return b.reshape(-1)
+
+
 def _tensor_map(config: ModelConfig) -> list[_Tensor]:
     """Every parameter of the model with its HF name and layout conversions."""
     e, h, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
 
     def heads_in(n):  # HF [n*d, e] -> ours [e, n, d]
-        return (lambda w: _transpose(w).reshape(e, n, d), lambda w: _transpose(w.reshape(e, -1)))
+        return (lambda w: _transpose(w).reshape(e, n, d), _heads_to_hf)
 
     def bias(n):  # HF [n*d] -> ours [n, d]
-        return (lambda b: b.reshape(n, d), lambda b: b.reshape(-1))
+        return (lambda b: b.reshape(n, d), _flatten)
 
-    o_in = (lambda w: _transpose(w).reshape(h, d, e), lambda w: _transpose(w.reshape(h * d, e)))
+    o_in = (lambda w: _transpose(w).reshape(h, d, e), _o_to_hf)
     same = (_identity, _identity)
     linear = (_transpose, _transpose)
 
@@ -341,6 +373,13 @@ def load_hf(
     return nnx.merge(graphdef, state)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _to_hf_on_device(x: jax.Array, to_hf: Callable, dtype: np.dtype) -> jax.Array:
+    """One parameter in HF layout and `dtype`: reshape, transpose and cast in one program,
+    on the parameter's own device(s)."""
+    return to_hf(x).astype(dtype)
+
+
 def hf_tensors(
     model: Transformer, get: Callable[[jax.Array], np.ndarray | jax.Array] = lambda x: x
 ) -> dict[str, np.ndarray | jax.Array]:
@@ -354,14 +393,28 @@ def hf_tensors(
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {}
     for spec in _tensor_map(config):
-        tensors[spec.hf_name] = spec.to_hf(get(variables[spec.path].get_value()))
-    if not config.qk_norm and not config.qkv_bias:  # Qwen2 layout wants q/k/v biases.
-        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
-        for i in range(config.num_layers):
-            for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-                name = f"model.layers.{i}.self_attn.{proj}_proj.bias"
-                tensors[name] = get(jax.numpy.zeros((heads * d,), config.dtype))
+        value = get(variables[spec.path].get_value())
+        if isinstance(value, jax.Array) and spec.to_hf is not _identity:
+            value = _to_hf_on_device(value, spec.to_hf, value.dtype)
+        else:
+            value = spec.to_hf(value)
+        tensors[spec.hf_name] = value
+    for name, shape in _zero_biases(config):  # Qwen2 layout wants q/k/v biases.
+        tensors[name] = get(jax.numpy.zeros(shape, config.dtype))
     return tensors
+
+
+def _zero_biases(config: ModelConfig) -> list[tuple[str, tuple[int]]]:
+    """The q/k/v biases (name, HF shape) a Qwen2 export carries as zeros for a model
+    without them (neither qk-norm nor bias: Qwen2 computes the same function)."""
+    if config.qk_norm or config.qkv_bias:
+        return []
+    d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+    return [
+        (f"model.layers.{i}.self_attn.{proj}_proj.bias", (heads * d,))
+        for i in range(config.num_layers)
+        for proj, heads in (("q", h), ("k", kv), ("v", kv))
+    ]
 
 
 def tokenizer_fingerprint(tokenizer: str | os.PathLike) -> str:
@@ -391,6 +444,172 @@ def tokenizer_fingerprint(tokenizer: str | os.PathLike) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _ExportTensor:
+    """One tensor of an export: where its value comes from and where it goes."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    nbytes: int
+    param: jax.Array | None  # None: zeros (a Qwen2 bias the model lacks)
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _export_plan(model: Transformer, dtype: np.dtype) -> list[_ExportTensor]:
+    """Every tensor `export_hf` writes, in `hf_tensors` order, with its HF shape and
+    size known before any is computed."""
+    config = model.config
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    plan = []
+    for spec in _tensor_map(config):
+        param = variables[spec.path].get_value()
+        shape = _hf_shape(spec.to_hf, param.shape)
+        plan.append(_ExportTensor(spec.hf_name, shape, _nbytes(shape, dtype), param, spec.to_hf))
+    for name, shape in _zero_biases(config):
+        plan.append(_ExportTensor(name, shape, _nbytes(shape, dtype), None, _identity))
+    return plan
+
+
+@functools.cache
+def _hf_shape(to_hf: Callable, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `to_hf` gives an array of `shape` (traced once per pair, not per layer)."""
+    return tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, np.float32)).shape)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3), donate_argnums=1, keep_unused=True)
+def _to_hf_into(x: jax.Array, spare: jax.Array, to_hf: Callable, dtype: np.dtype) -> jax.Array:
+    """`_to_hf_on_device` into `spare`'s memory (donated: an earlier result of the same
+    conversion of a parameter of the same shape and sharding, which nothing reads)."""
+    return to_hf(x).astype(dtype)
+
+
+def _host_tensors(
+    tensors: list[_ExportTensor], dtype: np.dtype, lookahead_bytes: int
+) -> Iterator[np.ndarray]:
+    """Each tensor's HF-layout bytes on the host, in order, converted on the parameters'
+    devices and copied to the host by a thread of its own while the caller writes the
+    last (a CPU backend runs a transpose in the thread that dispatches it).
+
+    At most `lookahead_bytes` of tensors (however many, at least one) are held at a
+    time: converted, with the caller, or spare. Neither device nor host holds more than
+    that besides the model. A converted tensor the caller is done with is a spare, given
+    to the next conversion of the same kind to write into instead of new memory (on a
+    CPU, fresh pages cost about as much as the transpose itself); spares are freed
+    when room is needed. Close the generator to stop the thread early.
+    """
+    room = threading.Condition()
+    held = 0  # bytes: converted and not yet given back, or spare
+    spares: dict[tuple, list[jax.Array]] = collections.defaultdict(list)
+    stop = False
+    done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def reserve(t: _ExportTensor, kind: tuple | None) -> tuple[bool, jax.Array | None]:
+        """Waits for room for `t`: (False, None) if stopped, else (True, a spare of
+        `kind` to write into, or None where the tensor takes new memory)."""
+        nonlocal held
+        with room:
+            while not stop:
+                if kind is not None and spares[kind]:
+                    return True, spares[kind].pop()
+                for other in spares.values():
+                    while other and held and held + t.nbytes > lookahead_bytes:
+                        held -= other.pop().nbytes
+                if not held or held + t.nbytes <= lookahead_bytes:
+                    held += t.nbytes
+                    return True, None
+                room.wait()
+            return False, None
+
+    def convert() -> None:
+        try:
+            for t in tensors:
+                converts = t.param is not None and (
+                    t.to_hf is not _identity or t.param.dtype != dtype
+                )
+                kind = (t.to_hf, t.param.shape, t.param.sharding) if converts else None
+                go, spare = reserve(t, kind)
+                if not go:
+                    return
+                if t.param is None:
+                    value = np.zeros(t.shape, dtype)
+                elif not converts:
+                    value = t.param
+                elif spare is None:
+                    value = _to_hf_on_device(t.param, t.to_hf, dtype)
+                else:
+                    value = _to_hf_into(t.param, spare, t.to_hf, dtype)
+                del spare
+                host = np.asarray(jax.device_get(value))
+                done.put((t.nbytes, host, (kind, value) if converts else None, None))
+                del host, value
+        except BaseException as e:  # handed to the caller, who raises it
+            done.put((0, None, None, e))
+
+    thread = threading.Thread(target=convert, name="export_hf-convert", daemon=True)
+    thread.start()
+    try:
+        for _ in tensors:
+            nbytes, host, converted, error = done.get()
+            if error is not None:
+                raise error
+            yield host
+            del host  # (the caller is done with it: its device memory may be reused)
+            with room:
+                if converted is None:
+                    held -= nbytes
+                else:
+                    spares[converted[0]].append(converted[1])
+                converted = None
+                room.notify()
+    finally:
+        with room:
+            stop = True
+            spares.clear()
+            room.notify()
+        thread.join()
+
+
+def _safetensors_header(tensors: list[_ExportTensor], dtype: np.dtype) -> bytes:
+    """The safetensors header (length, then JSON padded to 8 bytes with spaces) for
+    `tensors` stored in this order, exactly as `safetensors.numpy.save_file` writes it."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.hf_name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_safetensors(
+    path: Path, tensors: list[_ExportTensor], host: Iterator[np.ndarray], dtype: np.dtype
+) -> None:
+    """Streams `tensors` (already in file order) into `path`: the header, then each
+    tensor's bytes as `host` yields them."""
+    with open(path, "wb") as f:
+        f.write(_safetensors_header(tensors, dtype))
+        for t in tensors:
+            value = next(host)
+            if value.shape != t.shape or value.dtype != dtype:
+                raise CheckpointError(
+                    f"{path}: tensor {t.hf_name} came out as {value.dtype}{list(value.shape)}, "
+                    f"expected {dtype}{list(t.shape)}"
+                )
+            if sys.byteorder == "big":  # safetensors is little-endian
+                value = value.byteswap()
+            f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+            del value
+
+
 def export_hf(
     model: Transformer,
     directory: str | os.PathLike,
@@ -400,6 +619,13 @@ def export_hf(
 ) -> Path:
     """Writes `model` as an HF checkpoint (config.json + safetensors, sharded if large).
 
+    Each tensor is converted to HF layout on the parameter's own device(s), copied to
+    the host once and streamed into its file behind a header written first (its
+    offsets follow from shapes and dtypes), so neither device nor host ever holds a
+    second copy of the model (at most `_EXPORT_LOOKAHEAD_BYTES` of converted tensors).
+    The files are byte for byte what `safetensors.numpy.save_file` writes for the same
+    tensors.
+
     Files are written under temporary names and renamed, and `config.json` is written
     last, so a crash never leaves a directory that loads as a valid but partial checkpoint.
 
@@ -408,27 +634,26 @@ def export_hf(
         `TOKENIZER_EXPORT_FILES` it holds are copied in (and others of them the directory held
         removed), so `AutoTokenizer.from_pretrained(directory)` loads it. None or
         `bytes` (the byte tokenizer, which has no files): no tokenizer file is touched.
+      max_shard_bytes: a file holds tensors up to this many bytes (a larger tensor alone).
 
     Returns:
       The checkpoint directory.
     """
     config = model.config
+    hf_config = hf_config_from_model(config)  # refuses a layout HF lacks before any write
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    np_dtype = ml_dtypes.bfloat16 if config.dtype == "bfloat16" else np.float32
-    tensors = {
-        name: np.ascontiguousarray(value.astype(np_dtype))
-        for name, value in hf_tensors(model, lambda x: np.asarray(jax.device_get(x))).items()
-    }
+    dtype = np.dtype(ml_dtypes.bfloat16 if config.dtype == "bfloat16" else np.float32)
+    plan = _export_plan(model, dtype)
 
-    shards: list[dict[str, np.ndarray]] = [{}]
+    shards: list[list[_ExportTensor]] = [[]]
     size = 0
-    for name, value in tensors.items():
-        if shards[-1] and size + value.nbytes > max_shard_bytes:
-            shards.append({})
+    for t in plan:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = value
-        size += value.nbytes
+        shards[-1].append(t)
+        size += t.nbytes
 
     # config.json goes first and comes back last: it marks a complete checkpoint.
     old = [CONFIG_FILE, SINGLE_FILE, INDEX_FILE]
@@ -451,17 +676,26 @@ def export_hf(
         names = [SINGLE_FILE]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        tmp = directory / f".{name}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, directory / name)
+    # safetensors stores a file's tensors sorted by name (one dtype here): so do we, and
+    # the device converts them in that order, one file after another.
+    ordered = [sorted(shard, key=lambda t: t.hf_name) for shard in shards]
+    host = _host_tensors([t for shard in ordered for t in shard], dtype, _EXPORT_LOOKAHEAD_BYTES)
+    with contextlib.closing(host):  # (a failed write stops the conversions at once)
+        for name, shard in zip(names, ordered, strict=True):
+            tmp = directory / f".{name}.tmp"
+            try:
+                _write_safetensors(tmp, shard, host, dtype)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            os.replace(tmp, directory / name)
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+            "metadata": {"total_size": sum(t.nbytes for t in plan)},
+            "weight_map": {t.hf_name: n for n, s in zip(names, shards, strict=True) for t in s},
         }
         _write_json(directory / INDEX_FILE, index)
-    _write_json(directory / CONFIG_FILE, hf_config_from_model(config))
+    _write_json(directory / CONFIG_FILE, hf_config)
     return directory
 
 
