@@ -267,7 +267,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.engine = "jax"  # "vllm" (vLLM on each cell) is untested on GPUs
     c.rollout.max_slots = layout.max_slots  # concurrent executions per engine (the table)
     c.rollout.max_seq_len = row_length
-    c.rollout.temperature = 1.0
+    c.rollout.temperature = 1.0  # 0 is greedy: such calls are context, never trained
+    c.rollout.top_p = 1.0  # the trainer takes log-probs under the same cut
+    c.rollout.top_k = 0
     c.rollout.narrow = True  # decode only as wide as the busy slots (JAX engines)
     # The engine's share of a device; the core cell keeps the trainer's weights, masters
     # and moments beside it (the table's "core" column), which sets the share.
@@ -288,6 +290,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
     c.train.master_dtype = "float32"  # float32 masters + moments for a bfloat16 model
+    c.train.allow_low_precision_updates = False  # True: master_dtype "same" (not advised)
     c.train.remat = layout.remat  # none | matmuls | layer: the least recompute that fits
     c.train.loss_chunk_tokens = LOSS_CHUNK_TOKENS
     c.train.sharding_rules = TRAIN_SHARDING_RULES
@@ -296,10 +299,14 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl = config_dict.ConfigDict()
     c.rl.loss = "ppo"
     c.rl.advantage = "grpo"
+    c.rl.advantage_std = "unbiased"  # unbiased (ddof=1) | population: GRPO's group std
     c.rl.clip_low = 0.2
     c.rl.clip_high = 0.28
     c.rl.tis_cap = 2.0
     c.rl.kl_coef = 0.0  # > 0 keeps a second copy of the weights (not in the tables)
+    c.rl.kl_estimator = "k3"  # k1 | k2 | k3 (rl/losses.py: what each one's gradient follows)
+    c.rl.clip_ratio_c = 3.0  # dual-clip: a negative advantage's loss is capped at 3 |A|
+    c.rl.log_ratio_clamp = 20.0
     c.rl.group_size = 8
     c.rl.groups_per_step = 8
     c.rl.j_max = 5
@@ -362,4 +369,13 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.generate = config_dict.ConfigDict()
     c.generate.prompts = ((1, 2, 3, 4),)
     c.generate.max_new_tokens = 16
+
+    # Held-out evaluation (0: off): greedy and k sampled executions of tasks training
+    # never draws, on the rollout engines at burst boundaries (eval.jsonl, eval.png).
+    c.eval = config_dict.ConfigDict()
+    c.eval.every_steps = 0
+    c.eval.tasks_path = ""  # JSONL of environment tasks; "": a held-out split of its own
+    c.eval.num_tasks = 32
+    c.eval.seed = 1_000_003
+    c.eval.samples_per_task = 4
     return c

@@ -95,7 +95,9 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rollout.engine = "jax"  # or "vllm": vLLM in-process on each cell (pip install -e '.[vllm]')
     c.rollout.max_slots = 16
     c.rollout.max_seq_len = 640
-    c.rollout.temperature = 1.0
+    c.rollout.temperature = 1.0  # 0 is greedy: such calls are context, never trained
+    c.rollout.top_p = 1.0  # the trainer takes log-probs under the same cut
+    c.rollout.top_k = 0
     c.rollout.narrow = True  # decode only as wide as the busy slots (JAX engines)
     c.rollout.gpu_memory_utilization = 0.9  # a vLLM engine's share of a GPU; unused on CPU
     c.rollout.sharding_rules = SAMPLE_SHARDING_RULES
@@ -117,6 +119,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.train.max_grad_norm = 1.0
     c.train.weight_decay = 0.0
     c.train.master_dtype = "float32"  # masters beside a bfloat16 model (none: float32 here)
+    c.train.allow_low_precision_updates = False  # True: master_dtype "same" on bfloat16
     c.train.remat = "none"  # none | matmuls | layer: what a layer keeps for its backward
     c.train.loss_chunk_tokens = 0  # > 0: the loss head over chunks of positions
     c.train.sharding_rules = TRAIN_SHARDING_RULES
@@ -125,10 +128,14 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl = config_dict.ConfigDict()
     c.rl.loss = "ppo"  # ppo | grpo | tis | sft
     c.rl.advantage = "grpo"  # grpo | mean_centered | rloo
+    c.rl.advantage_std = "unbiased"  # unbiased (ddof=1) | population: GRPO's group std
     c.rl.clip_low = 0.2
     c.rl.clip_high = 0.28
     c.rl.tis_cap = 2.0
     c.rl.kl_coef = 0.0
+    c.rl.kl_estimator = "k3"  # k1 | k2 | k3 (rl/losses.py: what each one's gradient follows)
+    c.rl.clip_ratio_c = 3.0  # dual-clip: a negative advantage's loss is capped at 3 |A|
+    c.rl.log_ratio_clamp = 20.0
     c.rl.group_size = 4
     c.rl.groups_per_step = 4
     c.rl.j_max = 5
@@ -193,6 +200,16 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.generate = config_dict.ConfigDict()
     c.generate.prompts = ((1, 2, 3, 4), (10, 20, 30))
     c.generate.max_new_tokens = 16
+
+    # Held-out evaluation (0: off): every `every_steps` steps, at a burst boundary, each
+    # held-out task once greedily and `samples_per_task` times sampled, on the rollout
+    # engines while training goes on, never trained -> eval.jsonl, eval.png.
+    c.eval = config_dict.ConfigDict()
+    c.eval.every_steps = 0
+    c.eval.tasks_path = ""  # JSONL of environment tasks; "": a held-out split of its own
+    c.eval.num_tasks = 8  # the split: tasks none of training's draws can give
+    c.eval.seed = 1_000_003  # the split's draw
+    c.eval.samples_per_task = 4  # k of pass@k
 
     if variant == "smoke":
         c.model.num_layers = 1

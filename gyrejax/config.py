@@ -39,8 +39,12 @@ REMATS = ("none", "layer", "matmuls")
 # reference), "blocked" (XLA: one loop over the live block pairs; the CPU default),
 # "pallas" (Mosaic GPU kernels for Hopper GPUs, bfloat16, blocks of 64 or 128).
 ATTENTION_IMPLS = ("dense", "blocked", "pallas")
-LOSSES = ("ppo", "grpo", "tis", "sft")
+LOSSES = ("ppo", "grpo", "decoupled_ppo", "tis", "sft")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# The group std GRPO divides by (rl.advantage_std): "unbiased" (ddof=1, as verl and TRL)
+# or "population" (ddof=0).
+ADVANTAGE_STDS = ("unbiased", "population")
 # The engine on each cell (gyrejax/rollout/factory.py): the JAX engine, or vLLM in this
 # process (needs the optional vllm package). vLLM servers by URL: rollout.vllm_servers.
 ENGINES = ("jax", "vllm")
@@ -282,7 +286,12 @@ class RolloutConfig:
     engine: str = "jax"
     max_slots: int = 8  # concurrent sequences per engine.
     max_seq_len: int = 2048  # KV-cache length per slot.
+    # How the built-in agent samples every call (0 is greedy: never trained); an agent
+    # through the OpenAI door sets its own per request. Every call records its settings
+    # and the trainer takes log-probs under that same distribution.
     temperature: float = 1.0
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 keeps every token
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps every token
     # JAX engines decode only as wide as their busy slots (a power of four, or max_slots):
     # a batch-1 tail costs one slot, not all. False: every decode computes every slot.
     narrow: bool = True
@@ -306,7 +315,9 @@ class RolloutConfig:
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     _fail(f"rollout.{name}[{i}]", url, "expected an http:// or https:// URL")
         _positive("rollout", self, "max_slots", "max_seq_len")
-        _non_negative("rollout", self, "temperature")
+        _non_negative("rollout", self, "temperature", "top_k")
+        if not 0 < self.top_p <= 1:
+            _fail("rollout.top_p", self.top_p, "expected in (0, 1] (1 keeps every token)")
         fraction = self.gpu_memory_utilization
         if (
             isinstance(fraction, bool)
@@ -344,6 +355,9 @@ class TrainConfig:
     # weight is below bfloat16's resolution); with a float32 model it changes nothing.
     # "same": weights and moments in model.dtype only (no master copy).
     master_dtype: str = "float32"
+    # "same" with a model below float32 is refused unless this is True: bfloat16 weights
+    # updated in bfloat16 at lr 1e-6 lose ~99% of their updates to rounding.
+    allow_low_precision_updates: bool = False
     remat: str = "none"  # REMATS: what a layer keeps for its backward
     # The loss head's logits over chunks of this many tokens, each recomputed in the
     # backward, so a micro-step never holds float32 [tokens, vocab] whole; 0: unchunked.
@@ -402,10 +416,22 @@ class RLConfig:
 
     loss: str = "ppo"
     advantage: str = "grpo"
+    advantage_std: str = "unbiased"  # ADVANTAGE_STDS: the group std GRPO divides by
     clip_low: float = 0.2
     clip_high: float = 0.28
-    tis_cap: float = 2.0  # truncated importance sampling: ratio capped at this value.
+    # tis: the ratio is capped at this value; decoupled_ppo: the behaviour-to-proximal
+    # importance weight is.
+    tis_cap: float = 2.0
     kl_coef: float = 0.0  # KL to a reference policy (the initial weights); off by default.
+    # Which estimator of KL(policy || reference) the KL term uses (gyrejax/rl/losses.py
+    # says what each one's gradient optimises): k1, k2 or k3.
+    kl_estimator: str = "k3"
+    # Dual-clip: with a negative advantage the per-token loss is capped at
+    # -clip_ratio_c * A, so a token whose ratio ran away stops pulling (0 turns it off).
+    clip_ratio_c: float = 3.0
+    # The log of every importance ratio is clamped to +-this (no gradient beyond), so no
+    # single token can overflow the loss and cost the step.
+    log_ratio_clamp: float = 20.0
     group_size: int = 4  # executions per task (N).
     groups_per_step: int = 2  # B.
     j_max: int = 5  # admitted root-to-leaf paths per execution.
@@ -421,7 +447,19 @@ class RLConfig:
     def __post_init__(self):
         _one_of("rl", self, "loss", LOSSES)
         _one_of("rl", self, "advantage", ADVANTAGES)
+        _one_of("rl", self, "advantage_std", ADVANTAGE_STDS)
         _non_negative("rl", self, "clip_low", "clip_high", "tis_cap", "kl_coef")
+        _one_of("rl", self, "kl_estimator", KL_ESTIMATORS)
+        if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1 + self.clip_high:
+            _fail(
+                "rl.clip_ratio_c",
+                self.clip_ratio_c,
+                f"expected 0 (off) or > 1 + rl.clip_high = {1 + self.clip_high} (the cap "
+                "must lie above the clip band)",
+            )
+        _non_negative("rl", self, "log_ratio_clamp")
+        if self.log_ratio_clamp == 0:
+            _fail("rl.log_ratio_clamp", 0, "expected > 0 (every ratio would be 1)")
         if self.clip_low >= 1:
             _fail(
                 "rl.clip_low", self.clip_low, "expected < 1 (the ratio is clipped at 1 - clip_low)"
@@ -573,6 +611,32 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation in the RL loop (consumed by gyrejax/loop/evaluation.py): at
+    the first burst boundary at or after every `every_steps` steps, each held-out task
+    runs once greedily (temperature 0) and `samples_per_task` times at the rollout
+    temperature on the rollout engines, never trained; figures in `eval.jsonl`."""
+
+    every_steps: int = 0  # 0: no evaluation
+    # A JSONL file of environment tasks (one per line, as `task_line` writes them: "id",
+    # "prompt" and where the environment draws it); "": a held-out split of the
+    # environment's own tasks instead, `num_tasks` of them drawn with `seed`, none of
+    # which the run's training can draw (gyrejax/harness/held_out.py).
+    tasks_path: str = ""
+    num_tasks: int = 8
+    seed: int = 1_000_003  # any value: tasks training can draw are left out whatever it is
+    samples_per_task: int = 4  # k: sampled executions per task (pass@k)
+
+    def __post_init__(self):
+        _non_negative("eval", self, "every_steps", "seed")
+        _positive("eval", self, "num_tasks", "samples_per_task")
+        if not isinstance(self.every_steps, int):
+            _fail("eval.every_steps", self.every_steps, "expected an integer >= 0 (0: off)")
+        if not isinstance(self.tasks_path, str) or self.tasks_path != self.tasks_path.strip():
+            _fail("eval.tasks_path", self.tasks_path, "expected a path to a JSONL file, or ''")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints under --workdir (consumed by gyrejax/train)."""
 
@@ -612,6 +676,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     warmup: WarmupConfig = WarmupConfig()
     generate: GenerateConfig = GenerateConfig()
+    eval: EvalConfig = EvalConfig()
     seed: int = 0
     # JAX's persistent compilation cache (gyrejax/compilation_cache.py): compiled programs
     # kept on disk, so a resumed run, and each process of a run, loads what was compiled
@@ -647,6 +712,18 @@ class Config:
                 f"must hold harness.context_budget_tokens + 2 * harness.max_new_tokens + "
                 f"harness.max_observation_tokens + 8 = {needed}",
             )
+        # Updates below half a step of a weight's dtype round away: with bfloat16 weights
+        # updated in bfloat16 at lr 1e-6, ~99% of them (tests/test_trainer.py measures it).
+        low_precision = self.model.dtype != "float32"
+        if self.train.master_dtype == "same" and low_precision:
+            if not self.train.allow_low_precision_updates:
+                _fail(
+                    "train.master_dtype",
+                    self.train.master_dtype,
+                    f"with model.dtype={self.model.dtype!r} the weights would be updated in "
+                    f"{self.model.dtype}, where most small updates round away; use 'float32' "
+                    "(master weights), or set train.allow_low_precision_updates=True",
+                )
         longest = self.train.all_row_lengths[-1]
         if longest < self.rollout.max_seq_len:  # a longer call would fit no row
             _fail(
@@ -670,6 +747,13 @@ class Config:
                 "scheduler.dispatch_order",
                 self.scheduler.dispatch_order,
                 'needs tasks that carry "expected_s": rl.tasks_path (with rl.agent=command)',
+            )
+        if self.eval.every_steps and self.rl.agent != "builtin":
+            _fail(
+                "eval.every_steps",
+                self.eval.every_steps,
+                "evaluation runs the built-in harness (rl.agent=builtin), which can sample "
+                f"greedily; rl.agent={self.rl.agent!r} chooses its own sampling",
             )
         for name in ("vllm_servers", "engine_servers"):
             servers = getattr(self.rollout, name)

@@ -216,10 +216,10 @@ def head_bytes_per_token(model: ModelConfig, chunked: bool = False) -> int:
     """Bytes the loss head keeps per token in the hidden width: the final RMSNorm's
     float32 input and its output, the hidden states the logits are computed from (in
     float32; a chunked head keeps them in the model's dtype and casts each chunk), and
-    64 bytes of per-token loss scalars (log-probs, ratios, clips, masks). The logits are
-    `logits_bytes`."""
+    96 bytes of per-token loss scalars (log-probs, ratios, clips, masks, the sampling
+    settings and the top-k/top-p cut's threshold). The logits are `logits_bytes`."""
     a = jnp.dtype(model.dtype).itemsize
-    return (4 + a + (a if chunked else 4)) * model.hidden_size + 64
+    return (4 + a + (a if chunked else 4)) * model.hidden_size + 96
 
 
 def logits_bytes(model: ModelConfig, tokens: int, tensor: int = 1) -> int:

@@ -10,7 +10,9 @@ is checked here, each failure one `ConfigError` line naming the field and value:
     config.json, a `model.tokenizer` path holding an HF tokenizer's files), and a model
     that runs the harness covers its tokenizer's vocabulary (the byte tokenizer's, or
     `len()` of the HF tokenizer, loaded with transformers): its ids would index past the
-    embedding; `rollout.engine=vllm` finds the vllm package installed;
+    embedding; `rollout.engine=vllm` finds the vllm package installed; an RL run's
+    held-out evaluation (`eval.every_steps` > 0) has its tasks, disjoint from training's
+    (`harness.held_out.held_out_tasks`: the file readable, its lines tasks);
   * `check_devices`, once the device count is known and before any cell is built: JAX
     runs on `cells.platform` (a GPU config on JAX's CPU build names the GPU install),
     `cells.size` divides it, the async policy leaves a cell to roll out, and on GPUs
@@ -139,6 +141,12 @@ def check_inputs(config: Config) -> None:
             raise ConfigError(
                 f"{field}: no {' or '.join(TOKENIZER_FILES)} (not an HF tokenizer directory)"
             )
+    if _runs_rl(config) and config.eval.every_steps:
+        from gyrejax.harness.envs import get_environment  # (environments: plain Python)
+        from gyrejax.harness.held_out import held_out_tasks
+
+        # Drawing tasks runs no agent code: no sandbox to probe here.
+        held_out_tasks(config, get_environment(config.harness.environment, sandbox="python_guard"))
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "config.rollout.engine=vllm: the vllm package is not installed "

@@ -132,6 +132,8 @@ async def _rollout(
         config.harness,
         workdir / "workspaces",
         temperature=config.rollout.temperature,
+        top_p=config.rollout.top_p,
+        top_k=config.rollout.top_k,
         environment=env,
         chat=load_chat(config.model.tokenizer),
     )

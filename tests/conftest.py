@@ -119,6 +119,17 @@ def call_logprobs(model, call):
     return np.asarray(logprobs[rows, call.output_ids])
 
 
+# Every sampling setting the trainer must reproduce: temperature x top_p x top_k.
+SAMPLING_GRID = [
+    (t, p, k) for t in (0.6, 1.0, 1.3) for p in (1.0, 0.95) for k in (0, 20)
+]  # fmt: skip
+
+
+def settings(ratios: dict) -> tuple:
+    """The (temperature, top_p, top_k) arrays of `trainer_ratios`' result."""
+    return ratios["temperature"], ratios["top_p"], ratios["top_k"]
+
+
 def read_jsonl(path: pathlib.Path) -> list[dict]:
     """The records of a `.jsonl` log the runtime writes (metrics, transitions, ...)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -27,11 +27,18 @@ def test_perfect_demonstrations_score_one_and_pack(tmp_path):
         first = e.calls[0]
         assert tok.decode(first.prompt_ids).endswith(e.calls[0].prompt_ids.size * "" + "")
         assert first.prompt_ids[-1] == tok.ASSISTANT and first.output_ids[-1] == tok.EOT
-    batch = process(executions, row_length=2048, j_max=None, vocab_size=tok.VOCAB_SIZE)
-    # Every generated token is trained once: the answers are what SFT learns.
+    options = dict(row_length=2048, j_max=None, vocab_size=tok.VOCAB_SIZE)
+    batch = process(executions, demonstrations=True, **options)
+    # Every generated token is trained once: the answers are what SFT learns, at
+    # temperature 1 though they were recorded greedily.
     generated = sum(len(c.output_ids) for e in executions for c in e.calls)
     assert batch.stats.admitted_trainable_tokens == generated
     assert np.isclose(batch.loss_weight.sum(), 1.0)
+    assert (batch.temperature == 1).all() and batch.stats.greedy_tokens == 0
+    # As RL data, greedy outputs are context only: nothing would be trained.
+    as_samples = process(executions, **options)
+    assert as_samples.stats.admitted_trainable_tokens == 0
+    assert as_samples.stats.greedy_tokens == generated
 
 
 def test_imperfect_demonstrations_have_room_to_improve(tmp_path):
@@ -62,6 +69,8 @@ def test_demonstrations_in_an_hf_chat_format_score_one_and_pack(tmp_path, bpe_to
             assert call.output_ids[-1] == chat.stop_ids[0]
             if call.role in ("main", "sub_agent"):
                 assert not chat.parse(call.output_ids).malformed
-    batch = process(executions, row_length=4096, j_max=None, vocab_size=chat.vocab_size)
+    batch = process(
+        executions, row_length=4096, j_max=None, vocab_size=chat.vocab_size, demonstrations=True
+    )
     generated = sum(len(c.output_ids) for e in executions for c in e.calls)
     assert batch.stats.admitted_trainable_tokens == generated

@@ -177,6 +177,107 @@ def test_kl_term_vanishes_against_itself_and_metrics_are_weighted():
         micro_step_loss(model, rows, RLConfig(kl_coef=0.5), 7)
 
 
+def with_sampling(rows, seed):
+    """`rows` as jax arrays, each token given random sampling settings (temperature 0.6
+    or 1.3, top_k 0 or 20, top_p 1 or 0.95): the head cuts and renormalises per token."""
+    rng = np.random.default_rng(seed)
+    rows = dict(rows)
+    shape = rows["tokens"].shape
+    rows["temperature"] = rng.choice(np.float32([0.6, 1.3]), shape)
+    rows["top_k"] = rng.choice(np.int32([0, 20]), shape)
+    rows["top_p"] = rng.choice(np.float32([1.0, 0.95]), shape)
+    return {f: jnp.asarray(v) for f, v in rows.items() if f in MICRO_STEP_FIELDS}
+
+
+def test_a_token_whose_ratio_means_nothing_is_dropped_not_the_step():
+    """A trained token outside the top-k set the trainer reproduces (here top_k 1 on a
+    token that is not the argmax) and one whose trainer log-prob is not finite (a
+    temperature so small the logits overflow) are dropped and counted; the step's loss
+    and gradients are finite and equal those with the two tokens' weights set to 0."""
+    model = init_model(MODEL, seed=3)
+    batch = process(executions_near_policy(model, seed=4), row_length=256, j_max=None)
+    rows = {f: np.array(v) for f, v in batch.micro_step(0).items() if f in MICRO_STEP_FIELDS}
+    logits = np.asarray(model(rows["tokens"], rows["positions"], rows["subtree_end"]))
+    pred = np.take_along_axis(logits, np.maximum(rows["pred_index"], 0)[..., None], 1)
+    trained = np.argwhere(rows["loss_weight"] > 0)
+    not_top = [(r, c) for r, c in trained if pred[r, c].argmax() != rows["tokens"][r, c]]
+    (r0, c0), (r1, c1) = not_top[0], not_top[1]
+    broken = {k: v.copy() for k, v in rows.items()}
+    broken["top_k"][r0, c0] = 1
+    broken["temperature"][r1, c1] = 1e-38
+    reference = {k: v.copy() for k, v in rows.items()}
+    reference["loss_weight"][r0, c0] = reference["loss_weight"][r1, c1] = 0
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+
+    def step(rows):
+        fn = lambda p: micro_step_loss(nnx.merge(graphdef, p), rows, RLConfig(), 0)
+        return jax.value_and_grad(fn, has_aux=True)(params)
+
+    (loss, metrics), grads = step({k: jnp.asarray(v) for k, v in broken.items()})
+    (want, want_metrics), want_grads = step({k: jnp.asarray(v) for k, v in reference.items()})
+    assert np.isfinite(float(loss)) and float(metrics["dropped_tokens"]) == 2
+    assert float(want_metrics["dropped_tokens"]) == 0
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, want_grads
+    )
+
+
+def test_mismatch_metrics_cover_the_current_versions_tokens_only():
+    """Mean, max, p99 (within its bin) of |trainer - engine| log-prob and the k3 mismatch
+    KL, over the tokens the trainer's own version sampled, against NumPy (float64)."""
+    model = init_model(MODEL, seed=3)
+    batch = process(executions_near_policy(model, seed=4), row_length=256, j_max=None)
+    rows = {f: jnp.asarray(v) for f, v in batch.micro_step(0).items() if f in MICRO_STEP_FIELDS}
+    from gyrejax.rl.objective import MISMATCH_EDGES, finish_metrics, token_logprobs
+
+    version = np.asarray(rows["version"])
+    trained = np.asarray(rows["loss_weight"]) > 0
+    current_version = int(np.bincount(version[trained]).argmax())
+    _, raw = micro_step_loss(model, rows, RLConfig(), current_version)
+    got = finish_metrics({k: float(v) for k, v in raw.items()})
+    assert not any(k.startswith("mismatch_bin") for k in got)
+    current = trained & (version == current_version)
+    assert 0 < current.sum() < trained.sum()  # other versions' tokens are left out
+    d = np.asarray(token_logprobs(model, rows).logprob, np.float64) - np.asarray(
+        rows["behavior_logprob"], np.float64
+    )
+    d = d[current]
+    assert got["mismatch_tokens"] == current.sum()
+    np.testing.assert_allclose(got["mismatch_abs_mean"], np.abs(d).mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["mismatch_abs_max"], np.abs(d).max(), rtol=1e-5)
+    np.testing.assert_allclose(got["mismatch_kl"], np.mean(np.expm1(d) - d), rtol=1e-4)
+    p99 = np.quantile(np.abs(d), 0.99, method="inverted_cdf")
+    step = MISMATCH_EDGES[1] / MISMATCH_EDGES[0]
+    assert p99 <= got["mismatch_abs_p99"] * (1 + 1e-6) and got["mismatch_abs_p99"] <= p99 * step
+
+
+def test_the_kl_term_reads_only_trained_tokens():
+    """A reference log-prob of -inf or NaN at an untrained position (a prompt token) does
+    not reach the loss or gradients; the KL equals a NumPy k3 over the trained tokens."""
+    model = init_model(MODEL, seed=3)
+    batch = process(executions_near_policy(model, seed=4), row_length=256, j_max=None)
+    rows = {f: jnp.asarray(v) for f, v in batch.micro_step(0).items() if f in MICRO_STEP_FIELDS}
+    from gyrejax.rl.objective import token_logprobs
+
+    logprob = np.asarray(token_logprobs(model, rows).logprob)
+    weight = np.asarray(rows["loss_weight"])
+    ref = logprob - 0.3
+    untrained = np.argwhere((weight == 0) & (np.asarray(rows["pred_index"]) >= 0))
+    ref[tuple(untrained[0])] = -np.inf
+    ref[tuple(untrained[1])] = np.nan
+    graphdef, state = nnx.split(model)
+    config = RLConfig(kl_coef=0.1, kl_estimator="k3")
+    fn = lambda p: micro_step_loss(nnx.merge(graphdef, p), rows, config, 0, jnp.asarray(ref))
+    (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(nnx.to_pure_dict(state))
+    assert np.isfinite(float(loss))
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    d = np.float64(0.3)
+    want = (weight * (weight > 0) * (np.exp(-d) - 1 + d)).sum()
+    np.testing.assert_allclose(float(metrics["kl"]), want, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("remat", "chunk_tokens", "tie"),
     [("none", 100, False), ("layer", 48, True), ("matmuls", 0, False)],
@@ -189,7 +290,7 @@ def test_chunked_head_and_remat_give_the_unchunked_loss_and_gradients(remat, chu
     model = init_model(dataclasses.replace(MODEL, tie_embeddings=tie), seed=5)
     executions = executions_near_policy(model, seed=6)
     batch = process(executions, row_length=256, j_max=None, vocab_size=VOCAB)
-    rows = {f: jnp.asarray(v) for f, v in batch.micro_step(0).items() if f in MICRO_STEP_FIELDS}
+    rows = with_sampling(batch.micro_step(0), seed=7)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
 

@@ -6,6 +6,7 @@ and checks that it is exactly the prompt + output prefix of a call that generate
 """
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,19 +151,21 @@ def check_weights(batch):
         np.testing.assert_allclose(w[batch.execution_index == e].sum(), 1 / len(trained), rtol=1e-5)
 
 
-def grpo_reference(executions):
+def grpo_reference(executions, ddof=1):
     groups = {}
     for ex in executions:
         groups.setdefault(ex.group_id, []).append(ex.reward)
     out = {}
     for ex in executions:
         r = np.asarray(groups[ex.group_id], np.float64)
-        out[ex.execution_id] = (ex.reward - r.mean()) / (r.std() + 1e-6)
+        # ddof=1: rl.advantage_std's default, the unbiased std; a group of one: 0.
+        adv = (ex.reward - r.mean()) / (r.std(ddof=ddof) + 1e-6) if len(r) > 1 else 0.0
+        out[ex.execution_id] = adv
     return out
 
 
-def check_advantages(batch, executions):
-    ref = grpo_reference(executions)
+def check_advantages(batch, executions, ddof=1):
+    ref = grpo_reference(executions, ddof)
     for e, ex_id in enumerate(batch.execution_ids):
         np.testing.assert_allclose(batch.execution_advantage[e], ref[ex_id], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(
@@ -223,6 +226,24 @@ def test_process_matches_naive_reference(exs, j_max, row_length, rows_per_step, 
     s = batch.stats
     assert s.padding_tokens + s.repeated_tokens + s.admitted_tokens == s.packed_tokens
     assert s.admitted_trainable_tokens == len(keys)
+
+
+def test_advantage_std_reaches_the_estimator():
+    """process(advantage_std=...) picks GRPO's std: the unbiased one by default (ddof=1),
+    the population one when asked; anything else is refused."""
+    exs = small_synthetic(3)
+    assert len({ex.group_id for ex in exs}) < len(exs)  # groups of several
+    for ddof, options in (
+        (1, {}),
+        (1, {"advantage_std": "unbiased"}),
+        (0, {"advantage_std": "population"}),
+    ):
+        check_advantages(process(exs, row_length=96, vocab_size=40, **options), exs, ddof)
+    unbiased = process(exs, row_length=96, vocab_size=40).execution_advantage
+    population = process(exs, row_length=96, vocab_size=40, advantage_std="population")
+    assert np.abs(population.execution_advantage - unbiased).max() > 1e-3
+    with pytest.raises(ValueError, match=r"advantage_std must be one of unbiased, population"):
+        process(exs, row_length=96, advantage_std="ddof1")
 
 
 def small_synthetic(seed, **kw):

@@ -121,7 +121,7 @@ def test_statuses():
     assert batch.execution_ids == ("a", "b", "d", "e")
     np.testing.assert_array_equal(batch.execution_reward, [1.0, 0.5, 0.0, 0.0])
     r = np.array([1.0, 0.5, 0.0, 0.0])
-    grpo = (r - r.mean()) / (r.std() + 1e-6)
+    grpo = (r - r.mean()) / (r.std(ddof=1) + 1e-6)  # the default: the unbiased std
     np.testing.assert_allclose(batch.execution_advantage, grpo, rtol=1e-6)
     trained = set(batch.execution_index[batch.loss_weight > 0].tolist())
     assert trained == {0, 1, 2}  # "d" is a trained placeholder; "e" has no calls

@@ -3,6 +3,7 @@ validation of every field on put and on read."""
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -59,6 +60,25 @@ def test_round_trip_reopen(tmp_path):
     naive_bytes = 4 * sum(c.length for e in exs for c in e.calls)
     disk = sum(p.stat().st_size for p in (tmp_path / "s").iterdir())
     assert disk < naive_bytes / 3
+
+
+def test_sampling_settings_round_trip_and_older_records_read_as_temperature_one(tmp_path):
+    grid = [(0.6, 0.95, 20), (0.0, 1.0, 0), (1.3, 1.0, 5)]
+    (ex,) = small(groups=1, size=1)
+    calls = [
+        dataclasses.replace(c, temperature=t, top_p=p, top_k=k)
+        for c, (t, p, k) in zip(ex.calls, itertools.cycle(grid))
+    ]
+    ex = dataclasses.replace(ex, calls=calls)
+    store = ExecutionStore(tmp_path)
+    store.put(ex)
+    assert_identical(ExecutionStore(tmp_path).get(ex.execution_id), ex)
+    path = store.path_for(ex.execution_id)
+    for name in ("temperature", "top_p", "top_k"):  # a record written before they existed
+        for i in range(len(calls)):
+            rewrite_header(path, delete_field(f"calls.{i}.{name}"))
+    old = ExecutionStore(tmp_path).get(ex.execution_id)
+    assert {(c.temperature, c.top_p, c.top_k) for c in old.calls} == {(1.0, 1.0, 0)}
 
 
 @pytest.mark.parametrize(
@@ -319,6 +339,9 @@ def delete_field(path):
         (set_field("calls.0.prompt_len", 1.5), "prompt_len=1.5"),
         (set_field("calls", {"a": 1}), "calls={'a': 1}"),
         (delete_field("calls.0.agent_id"), "agent_id=None"),
+        (set_field("calls.0.temperature", -0.5), "calls[0]: temperature=-0.5"),
+        (set_field("calls.0.top_p", 0), "calls[0]: top_p=0"),
+        (set_field("calls.0.top_k", 2.5), "calls[0].top_k=2.5"),
     ],
 )
 def test_a_record_with_bad_fields_is_skipped_named_and_counted(tmp_path, caplog, mutate, message):
@@ -362,7 +385,8 @@ JSON_VALUES = st.recursive(
 HEADER_FIELDS = ["execution_id", "task_id", "group_id", "status", "reward", "eval_attempts",
                  "calls", "format"]  # fmt: skip
 CALL_FIELDS = ["call_id", "agent_id", "role", "finish_reason", "engines", "started_at",
-               "finished_at", "prompt_len", "output_len", "ref", "shared"]  # fmt: skip
+               "finished_at", "prompt_len", "output_len", "ref", "shared", "temperature",
+               "top_p", "top_k"]  # fmt: skip
 
 
 @settings(

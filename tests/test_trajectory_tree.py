@@ -1,5 +1,7 @@
 """Tree tests: the radix tree against a naive set-of-prefixes reference."""
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -167,6 +169,29 @@ def test_later_prompt_containing_earlier_output_is_same_token():
     tree = build_tree(calls)
     assert tree.num_tokens == 5
     assert tree.trainable.tolist() == [False, True, True, False, True]
+
+
+def test_greedy_outputs_are_context_and_a_later_sample_of_them_is_trained():
+    """A greedy call's outputs are never trained as samples (they are counted); the same
+    tokens sampled later by another call are trained with that call's values."""
+    greedy = dataclasses.replace(make_call(0, [1, 2], [3, 4, 5]), temperature=0.0)
+    sampled = dataclasses.replace(
+        make_call(1, [1, 2], [3, 4, 6], agent="retry"), temperature=0.6, top_p=0.9, top_k=7
+    )
+    tree = build_tree([greedy])
+    assert not tree.trainable.any() and tree.greedy_tokens == 3
+    tree = build_tree([greedy, sampled])
+    trained = np.flatnonzero(tree.trainable)
+    assert tree.tokens[trained].tolist() == [3, 4, 6] and tree.greedy_tokens == 3
+    np.testing.assert_array_equal(tree.logprob[trained], sampled.logprobs)
+    np.testing.assert_allclose(tree.temperature[trained], 0.6)
+    np.testing.assert_allclose(tree.top_p[trained], 0.9)
+    assert tree.top_k[trained].tolist() == [7] * 3
+    assert tree.temperature[~tree.trainable].tolist() == [1.0] * (tree.num_tokens - 3)
+    # For SFT every output is a demonstration, read under the model's own distribution.
+    tree = build_tree([greedy, sampled], demonstrations=True)
+    assert tree.tokens[tree.trainable].tolist() == [3, 4, 5, 6] and tree.greedy_tokens == 0
+    assert (tree.temperature == 1).all() and (tree.top_p == 1).all() and not tree.top_k.any()
 
 
 def test_token_range_error_names_call():

@@ -72,7 +72,7 @@ class Harness:
       proxy: the door to the engines (it records every call).
       config: turns, timeouts, budgets.
       workdir: workspaces live in `workdir/<execution id>`.
-      temperature: sampling temperature of every call.
+      temperature, top_p, top_k: how every call samples (`rollout.temperature`, ...).
       environment: defaults to `get_environment(config.environment,
         sandbox=config.sandbox)`.
       chat: the chat format (harness/chat.py); default the byte tokenizer's.
@@ -85,13 +85,15 @@ class Harness:
         workdir: str | Path,
         *,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
         environment=None,
         chat=None,
     ):
         self.proxy = proxy
         self.config = config
         self.workdir = Path(workdir)
-        self.temperature = temperature
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         if environment is None:
             environment = get_environment(config.environment, sandbox=config.sandbox)
         self.env = environment
@@ -197,6 +199,8 @@ class Harness:
     async def _call(self, run: _Run, agent_id: str, role: str, prompt: list[int]) -> list[int]:
         sampling = SamplingParams(
             temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
             max_new_tokens=self.config.max_new_tokens,
             stop_ids=self.chat.stop_ids,
             seed=(zlib.crc32(run.execution_id.encode()) + run.seed * 7919 + run.calls) % 2**31,

@@ -44,15 +44,18 @@ class FileTask:
     expected_s: float | None = None
 
 
-def load_task_file(path: str, env=None, need_expected: bool = False) -> list[FileTask]:
+def load_task_file(
+    path: str, env=None, need_expected: bool = False, field: str = "rl.tasks_path"
+) -> list[FileTask]:
     """The tasks of a JSONL file; with `env`, each line is also resolved to the
     environment's task (`env.task_from_dict`), so its verifier can score it.
     `need_expected`: every line must carry "expected_s" (a number > 0, seconds).
+    `field`: the config field that names the file (errors name it).
 
     Raises:
-      ConfigError: one line naming rl.tasks_path, the line and what is wrong.
+      ConfigError: one line naming `field`, the line and what is wrong.
     """
-    where = f"config.rl.tasks_path={path!r}"
+    where = f"config.{field}={path!r}"
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:

@@ -3,12 +3,14 @@ cell-second went, and the run's summary.
 
   * `metrics.jsonl`: per step reward, loss, tokens, staleness, step time, roles,
     utilisation, joins and leaves, cell-seconds by state since the last row, groups
-    trained beyond the gate (`over_stale`) and bad records left out;
+    trained beyond the gate (`over_stale`), bad records left out, and the figures of
+    a held-out evaluation finished since the last row (`eval`; else None);
   * `transitions.jsonl`: every role switch, phase by phase, with the device memory in
     use on the cell's devices around it (`device_memory`), and every publication;
   * cell time: a 0.25 s sampler attributes every cell-second to "busy" or one idle cause
     (`policies.IDLE_CAUSES`, as the simulator does exactly), and prints progress;
-  * `run_summary.json` (`calibrate.py` fits its `schedule`) and the PNG plots.
+  * `run_summary.json` (`calibrate.py` fits its `schedule`; `eval`: the last held-out
+    evaluation's figures, from `eval.jsonl`) and the PNG plots.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gyrejax.config import Config
 from gyrejax.harness.sandbox import sandbox_summary
 from gyrejax.logs import append_jsonl, mark, read_jsonl
 from gyrejax.loop.context import RunContext
+from gyrejax.loop.evaluation import EVAL_LOG, record_figures
 from gyrejax.scheduler import plots
 from gyrejax.scheduler.driver import logged_trainer_time
 from gyrejax.scheduler.policies import IDLE_CAUSES, Role
@@ -170,9 +173,11 @@ def step_record(
     over_stale: int,
     bad_records: int,
     longest_call: int,
+    evaluation: dict | None = None,
 ) -> dict:
     """Appends the metrics row of a step to `metrics.jsonl` and logs it; returns it.
-    `longest_call`: the longest context (prompt + output) of a call the step trained."""
+    `longest_call`: the longest context (prompt + output) of a call the step trained;
+    `evaluation`: a held-out evaluation's figures that finished since the last row."""
     record = {
         "step": report.step,
         "version": report.version,
@@ -189,6 +194,7 @@ def step_record(
         # row buckets the step used.
         "shapes": [[int(r), int(length)] for r, length in batch.shapes],
         "longest_call": longest_call,
+        "greedy_tokens": batch.stats.greedy_tokens,  # greedy calls' outputs: never trained
         "roles": "".join(r.value[0].upper() for r in ctx.driver.roles),
         # Executions a rollout cell counts as serving (moves with scheduler.slot_occupancy).
         "capacity": ctx.driver.schedule.capacity,
@@ -198,6 +204,7 @@ def step_record(
         "cell_s": cell_time.since_step(),
         "over_stale": over_stale,
         "bad_records": bad_records,
+        "eval": evaluation,
     }
     append_jsonl(ctx.workdir / "metrics.jsonl", record)
     mark("step done")
@@ -230,7 +237,8 @@ def write_summary(
     config, workdir = ctx.config, ctx.workdir
     records = read_jsonl(workdir / "metrics.jsonl")
     transitions = read_jsonl(workdir / "transitions.jsonl")
-    plots.write_all(workdir, records, ctx.timeline, len(ctx.cells), ctx.now())
+    evaluations = read_jsonl(workdir / EVAL_LOG)
+    plots.write_all(workdir, records, ctx.timeline, len(ctx.cells), ctx.now(), evaluations)
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
     k = max(1, len(rewards) // 4)
     busy = cell_time.busy_samples
@@ -259,6 +267,9 @@ def write_summary(
         "schedule": schedule_fields(config, len(ctx.cells)),
         # Which sandbox ran agent code; without bubblewrap it says it is no boundary.
         "sandbox": sandbox_summary(config.harness.sandbox),
+        # The last held-out evaluation (eval.jsonl has each): step, version, figures.
+        "eval": record_figures(evaluations[-1]) if evaluations else None,
+        "evaluations": len(evaluations),
     }
     (workdir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     logging.info("run finished: %s", summary)

@@ -15,6 +15,9 @@ driver rules both drivers share (gyrejax.scheduler.driver):
     `scheduler.mu` steps the weights are published to the rollout engines
     (engines.py) and a new burst begins;
   * transitions (transitions.py): role switches, one at a time, every phase timed;
+  * evaluation (evaluation.py, `eval.every_steps` > 0): held-out tasks at burst
+    boundaries, on the rollout engines while training goes on, never trained
+    (`eval.jsonl`); the run waits for them before it ends;
   * outputs (outputs.py): `metrics.jsonl`, `transitions.jsonl`, idle time by cause,
     `run_summary.json` and the plots; also the execution store, `dispatch.jsonl`,
     `executions.jsonl` and checkpoints.
@@ -36,9 +39,11 @@ from gyrejax.harness.agent import Harness
 from gyrejax.harness.chat import load_chat
 from gyrejax.harness.envs import get_environment
 from gyrejax.harness.external import start_command_agents
+from gyrejax.harness.held_out import held_out_tasks
 from gyrejax.harness.tasks import load_task_file
 from gyrejax.loop.context import RunContext, schedule_of
 from gyrejax.loop.engines import CellEngines, Rollout
+from gyrejax.loop.evaluation import Evaluation
 from gyrejax.loop.groups import Groups
 from gyrejax.loop.outputs import CellTime, write_summary
 from gyrejax.loop.steps import Steps
@@ -92,10 +97,14 @@ class Runtime:
             by_expected = config.scheduler.dispatch_order == "longest_first"
             tasks = load_task_file(config.rl.tasks_path, scorer, need_expected=by_expected)
         self.groups = Groups(self.ctx, env, ExecutionStore(workdir / "executions"), tasks)
+        held_out = held_out_tasks(config, env) if config.eval.every_steps else None
+        self.evaluation = Evaluation(self.ctx, held_out)  # (a bad eval.* is one error line)
         self.door: OpenAIServer | None = None  # rl.agent = command: the agents' door
         self.rollout = Rollout(self.ctx, cell_engines)
         self.cell_time = CellTime(self.ctx)
-        self.steps = Steps(self.ctx, self.groups, self.cell_time, self.rollout.publish)
+        self.steps = Steps(
+            self.ctx, self.groups, self.cell_time, self._publish, self.evaluation.figures
+        )
         self.transitions = Transitions(self.ctx, self.rollout)
         self.policy = policy_from_config(config.scheduler)
 
@@ -112,39 +121,24 @@ class Runtime:
         ctx, config = self.ctx, self.config
         ctx.start()
         self.steps.restore()
+        self.evaluation.restore(self.trainer.step)
         try:  # engines started so far are shut down even if a later one fails to start
             proxy = await self.rollout.start()
             harness = await self._agents(proxy)
             self.groups.attach(harness)
+            self.evaluation.attach(proxy, harness)
             ctx.timeline += [(0.0, cell.index, Role.ROLLOUT.value) for cell in ctx.cells]
             ctx.spawn(self.transitions.worker())
             ctx.spawn(self.cell_time.monitor(proxy, self.groups))
             self.groups.resume(set(self.steps.trained_groups))
-            occupancy, slots = config.scheduler.slot_occupancy, config.rollout.max_slots
             while self.trainer.step < config.train.steps:
-                ctx.check()
-                share = self.groups.generation.share() if occupancy > 0 else None
-                if share is not None:
-                    ctx.driver.set_capacity(capacity_from_share(slots, occupancy, share))
-                c = proxy.counters()
-                view = ctx.driver.view(
-                    ctx.now(),
-                    (c.dispatched, c.started, c.finished),
-                    groups_in_flight=len(self.groups.in_flight()),
-                    groups_ready=len(self.groups.ready),
-                    groups_dispatched=self.groups.next_seq,
-                    step_running=ctx.step_task is not None,
-                )
-                decision = self.policy(view)
-                ctx.driver.note_gate(view, decision.dispatch)
-                for _ in range(decision.dispatch):
-                    self.groups.dispatch()
-                for index, role in decision.transitions:
-                    self.transitions.request(index, role)
-                self.steps.maybe_start()
-                await ctx.changed(timeout_s=1.0)
+                await self._decide(proxy)
             if ctx.step_task is not None:
                 await ctx.step_task
+            if self.evaluation.due():  # the last steps ended no burst: publish them
+                await self._publish()
+            while self.evaluation.busy:  # the policy still decides (a cell may return)
+                await self._decide(proxy, train=False)
         finally:
             await self._shutdown()
         return write_summary(
@@ -154,6 +148,43 @@ class Runtime:
             self.steps.resumed_at,
             overcommitted=getattr(self.policy, "overcommitted", None),  # elastic's only
         )
+
+    async def _decide(self, proxy, train: bool = True) -> None:
+        """One round: the policy sees the View; its dispatch and transitions are carried
+        out, a step starts if it may (`train`); then waits for the next event."""
+        ctx, config = self.ctx, self.config
+        occupancy, slots = config.scheduler.slot_occupancy, config.rollout.max_slots
+        ctx.check()
+        share = self.groups.generation.share() if occupancy > 0 else None
+        if share is not None:
+            ctx.driver.set_capacity(capacity_from_share(slots, occupancy, share))
+        c = proxy.counters()
+        view = ctx.driver.view(
+            ctx.now(),
+            (c.dispatched, c.started, c.finished),
+            groups_in_flight=len(self.groups.in_flight()),
+            groups_ready=len(self.groups.ready),
+            groups_dispatched=self.groups.next_seq,
+            step_running=ctx.step_task is not None,
+        )
+        decision = self.policy(view)
+        ctx.driver.note_gate(view, decision.dispatch)
+        for _ in range(decision.dispatch):
+            self.groups.dispatch()
+        external = bool(self.rollout.external)
+        for index, role in self.evaluation.allowed(
+            decision.transitions, ctx.driver.roles, external
+        ):
+            self.transitions.request(index, role)
+        if train:
+            self.steps.maybe_start()
+        await ctx.changed(timeout_s=1.0)
+
+    async def _publish(self) -> None:
+        """Ends a burst: the rollout engines get the newest weights, then an evaluation
+        of them if one is due (evaluation.py)."""
+        await self.rollout.publish()
+        self.evaluation.start()
 
     async def _agents(self, proxy):
         """What runs executions: the built-in harness, or the user's agent command
@@ -166,6 +197,8 @@ class Runtime:
                 config.harness,
                 workdir,
                 temperature=config.rollout.temperature,
+                top_p=config.rollout.top_p,
+                top_k=config.rollout.top_k,
                 environment=self.groups.env,
                 chat=chat,
             )
@@ -177,6 +210,7 @@ class Runtime:
         ctx = self.ctx
         if self.rollout.proxy is not None:
             self.groups.cancel_unfinished(self.rollout.proxy)
+            self.evaluation.cancel(self.rollout.proxy)
         for task in ctx.tasks():
             if task is not ctx.step_task:
                 task.cancel()

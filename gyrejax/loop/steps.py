@@ -41,6 +41,8 @@ class Steps:
       groups: where ready groups come from.
       cell_time: the idle accounting each metrics row reports.
       publish: ends a burst (the rollout engines get the newest weights).
+      eval_figures: the newest held-out evaluation finished since it was last asked, or
+        None (a metrics row's "eval"; loop/evaluation.py).
     """
 
     def __init__(
@@ -49,11 +51,13 @@ class Steps:
         groups: Groups,
         cell_time: CellTime,
         publish: Callable[[], Awaitable[None]],
+        eval_figures: Callable[[], dict | None] = lambda: None,
     ):
         self.ctx = ctx
         self.groups = groups
         self.cell_time = cell_time
         self.publish = publish
+        self.eval_figures = eval_figures
         self.checkpointer = TrainCheckpointer(ctx.workdir / "checkpoints", ctx.config.checkpoint)
         self.tokenizer = tokenizer_fingerprint(ctx.config.model.tokenizer)  # (read once)
         self.trained_groups: list[str] = []
@@ -110,6 +114,7 @@ class Steps:
                 over_stale=self.over_stale,
                 bad_records=self.groups.bad_records,
                 longest_call=longest_call(executions, batch.execution_ids),
+                evaluation=self.eval_figures(),
             )
             self.groups.bad_records = 0
             if trainer.step % config.checkpoint.every_steps == 0:

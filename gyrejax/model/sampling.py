@@ -97,18 +97,38 @@ def sample_per_slot(
 
 def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Sets logits outside each row's top-k, then top-p, set to -inf."""
+    threshold = truncation_threshold(scaled, top_k, top_p)
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def truncation_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The smallest tempered logit each row keeps under its top-k, then top-p, cut.
+
+    The kept set is every token whose logit is >= the threshold: the k largest
+    (ties at the k-th included), then of those the smallest most-likely prefix whose
+    probability mass reaches top_p. The engine samples from it and the trainer
+    (`gyrejax.rl.objective`) renormalises over it, both through this function, so an
+    unchanged policy's importance ratio is exactly 1.
+
+    Args:
+      scaled: float32[S, V] logits divided by the temperature.
+      top_k: int32[S]; 0 keeps every token.
+      top_p: float32[S] in (0, 1]; 1 keeps every token.
+
+    Returns:
+      float32[S]. Sorts the vocabulary: skip it (`lax.cond`) when nothing truncates.
+    """
     vocab = scaled.shape[-1]
     ordered = -jnp.sort(-scaled, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [S, 1]
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)[:, 0]
     in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
     # Nucleus over the top-k set: keep the smallest prefix whose mass reaches top_p.
     probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep_sorted = in_top_k & (mass_before < top_p[:, None])
     last_kept = jnp.sum(keep_sorted, axis=-1) - 1
-    threshold = jnp.maximum(jnp.take_along_axis(ordered, last_kept[:, None], axis=-1), kth)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jnp.maximum(jnp.take_along_axis(ordered, last_kept[:, None], axis=-1)[:, 0], kth)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(5,))

@@ -225,6 +225,9 @@ class Proxy:
                 engines=completion.engines,
                 started_at=started_at,
                 finished_at=time.time(),
+                temperature=request.sampling.temperature,
+                top_p=request.sampling.top_p,
+                top_k=request.sampling.top_k,
             )
         )
         return completion

@@ -1,4 +1,5 @@
-"""PNG plots of a run: the cell-role timeline, and reward and step time per step."""
+"""PNG plots of a run: the cell-role timeline, reward and step time per step, and the
+held-out evaluations (eval.png, from eval.jsonl records)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,38 @@ def per_step(path: Path, records: list[dict]):
     plt.close(fig)
 
 
-def write_all(workdir: Path, records: list[dict], timeline, cells: int, end: float) -> None:
+# eval.jsonl figure -> its label in eval.png.
+EVAL_CURVES = {
+    "greedy_pass@1": "greedy pass@1",
+    "sampled_pass@1": "sampled pass@1",
+    "sampled_pass@k": "sampled pass@k",
+    "greedy_reward": "greedy mean reward",
+    "sampled_reward": "sampled mean reward",
+}
+
+
+def evaluations(path: Path, records: list[dict]):
+    """Held-out pass@1 (greedy, sampled), pass@k and mean rewards per evaluated step."""
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for key, label in EVAL_CURVES.items():
+        style = "--" if key.endswith("reward") else "-"
+        ax.plot(steps, [r.get(key) for r in records], style, marker="o", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    k = records[-1].get("k")
+    ax.set_title(f"held-out evaluation ({records[-1].get('tasks')} tasks, k = {k})")
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_all(
+    workdir: Path, records: list[dict], timeline, cells: int, end: float, evals: list[dict] = ()
+) -> None:
     role_timeline(workdir / "cell_roles.png", timeline, cells, end)
     if records:
         per_step(workdir / "steps.png", records)
+    if evals:
+        evaluations(workdir / "eval.png", evals)

@@ -228,6 +228,9 @@ def call_to_json(call: ModelCall) -> dict:
         "engines": list(call.engines),
         "started_at": call.started_at,
         "finished_at": call.finished_at,
+        "temperature": call.temperature,
+        "top_p": call.top_p,
+        "top_k": call.top_k,
     }
 
 

@@ -55,7 +55,10 @@ def process_options(config: Config, step: int) -> dict:
         j_max=config.rl.j_max,
         seed=config.seed + step,
         advantage=config.rl.advantage,
+        advantage_std=config.rl.advantage_std,
         rows_per_micro_step=config.train.rows_per_micro_step,
+        # SFT fits every output, greedy or sampled; RL trains samples only.
+        demonstrations=config.rl.loss == "sft",
     )
 
 
@@ -110,6 +113,7 @@ def _metrics_record(
         # (rows, row length) of each distinct micro-step shape, longest rows first.
         "shapes": [[int(r), int(length)] for r, length in batch.shapes],
         "waste_fraction": batch.stats.waste_fraction,
+        "greedy_tokens": batch.stats.greedy_tokens,  # greedy calls' outputs: never trained
         "data_position": position,
         "step_s": report.step_s,
         "reduction_s": report.reduction_s,

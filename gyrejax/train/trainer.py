@@ -59,7 +59,7 @@ from gyrejax.cells import Cell
 from gyrejax.config import RLConfig, TrainConfig
 from gyrejax.model import sharding
 from gyrejax.model.transformer import Transformer
-from gyrejax.rl.objective import MAX_METRICS, micro_step_loss, token_logprobs
+from gyrejax.rl.objective import MAX_METRICS, finish_metrics, micro_step_loss, token_logprobs
 from gyrejax.train.checkpoint import TrainCheckpointer, abstract_like
 from gyrejax.train.reduction import CrossCellReducer
 from gyrejax.train.transport import (
@@ -82,6 +82,7 @@ __all__ = [
     "StepReport",
     "make_optimizer",
     "micro_step_shapes",
+    "weight_decay_mask",
 ]
 
 
@@ -101,11 +102,70 @@ def _head_options(config: TrainConfig) -> tuple[str, int]:
     return config.remat, config.loss_chunk_tokens
 
 
+# Weight decay by parameter name (the last key of its path; gyrejax/model/transformer.py):
+# the matmul kernels decay (attention q/k/v/o, MLP gate/up/down, an untied lm_head); norm
+# scales, biases and the token embedding (when tied, also the output head) do not:
+# decaying them pulls gains and per-token rows toward 0 for no regularising gain.
+DECAYED_PARAMS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "lm_head"})
+UNDECAYED_PARAMS = frozenset({"embed", "scale", "q_bias", "k_bias", "v_bias", "o_bias"})
+
+
+def weight_decay_mask(params):
+    """AdamW's decay mask for `params`: a tree like it of bools, True for the weights that
+    decay (`DECAYED_PARAMS`). Any tree whose leaves' paths end in the parameter's name
+    works: the pure dict of parameters, its float32 masters, their gradients or their
+    ShapeDtypeStructs.
+
+    Raises:
+      ValueError: a parameter named in neither set (a new one must be placed in one).
+    """
+
+    def decays(path, _) -> bool:
+        name = path[-1].key if path and hasattr(path[-1], "key") else None
+        if name in DECAYED_PARAMS:
+            return True
+        if name in UNDECAYED_PARAMS:
+            return False
+        raise ValueError(
+            f"weight decay: parameter {jax.tree_util.keystr(path)} is in neither "
+            "DECAYED_PARAMS nor UNDECAYED_PARAMS (gyrejax/train/trainer.py)"
+        )
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def _decay_matmul_kernels(weight_decay: float) -> optax.GradientTransformation:
+    """AdamW's decoupled weight decay (`optax.add_decayed_weights`) on the leaves
+    `weight_decay_mask` picks. Not `optax.adamw(mask=...)`: that wraps this step's state
+    in a `MaskedState`, a tree Orbax will not restore a checkpoint written without the
+    mask into; this step's state is the unmasked one's (`EmptyState`)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("weight decay needs the parameters: update(..., params)")
+        if weight_decay == 0:
+            return updates, state
+        decay = lambda u, p, m: u + weight_decay * p if m else u
+        return jax.tree.map(decay, updates, params, weight_decay_mask(updates)), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW (no weight decay on a tiny RL run by default)."""
+    """Global-norm clipping then AdamW (`optax.adamw`'s steps and defaults), its weight
+    decay on the matmul kernels only (`weight_decay_mask`; no weight decay on a tiny RL
+    run by default)."""
     return optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
+        optax.chain(
+            optax.scale_by_adam(),
+            _decay_matmul_kernels(config.weight_decay),
+            optax.scale_by_learning_rate(config.learning_rate),
+        ),
     )
 
 
@@ -181,6 +241,7 @@ class ElasticTrainer:
         self.owns_core = self.transport.holds(core)
         self.params = None
         self.master = None  # float32 master weights (train.master_dtype), on the core
+        self._warned_dropped = False  # the one warning per run of dropped tokens
         if self.owns_core:
             self.params = jax.device_put(params, self.param_shardings(core))
         self.keep_last_grads = keep_last_grads
@@ -550,7 +611,17 @@ class ElasticTrainer:
             self.last_grads = grads
 
         # 4. Skip a non-finite step, or update.
-        metrics = _combine_metrics([results[c.index].metrics for c in took_part])
+        metrics = finish_metrics(_combine_metrics([results[c.index].metrics for c in took_part]))
+        if metrics.get("dropped_tokens") and not self._warned_dropped:
+            self._warned_dropped = True
+            logging.warning(
+                "step %d: %d trained tokens dropped (counted in dropped_tokens; warned once "
+                "per run): the trainer could not reproduce the distribution they were "
+                "sampled from (outside its top-k/top-p cut, a temperature near 0, or a "
+                "non-finite log-prob)",
+                self.step + 1,
+                metrics["dropped_tokens"],
+            )
         bad = [r.first_bad_micro_step for r in results.values()]
         bad = [m for m in bad if m is not None]
         self.step += 1

@@ -440,6 +440,8 @@ def assemble_rows(
             loss_weight[r, sl] = np.where(trained, np.float32(token_weight[li]), 0)
             behavior_logprob[r, sl] = np.where(trained, lay.tree.logprob[flat], 0)
             version[r, sl] = np.where(trained, lay.tree.version[flat], 0)
+            for name, off in (("temperature", 1), ("top_p", 1), ("top_k", 0)):
+                arrays[name][r, sl] = np.where(trained, getattr(lay.tree, name)[flat], off)
             adv[r, sl] = advantage[li]
             ex_index[r, sl] = execution_index[li]
             offset += n

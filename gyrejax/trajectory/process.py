@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gyrejax.trajectory.admission import admission_rng, admit_paths
-from gyrejax.trajectory.advantages import get_advantage
+from gyrejax.trajectory.advantages import ADVANTAGE_STDS, get_advantage
 from gyrejax.trajectory.buckets import (
     BucketChoice,
     check_row_lengths,
@@ -42,7 +42,8 @@ class PackStats:
     tokens of the admitted forests; packed_tokens = the sum of row lengths (rows *
     row_length with one length), of which padding_tokens are padding (padding rows
     included) and repeated_tokens are ancestor context repeated because a tree spans
-    several rows. row_shapes: distinct micro-step shapes (row lengths) used.
+    several rows. greedy_tokens: outputs of greedy calls, context only (never trained).
+    row_shapes: distinct micro-step shapes (row lengths) used.
     """
 
     executions_in: int
@@ -56,6 +57,7 @@ class PackStats:
     unique_tokens: int
     generated_tokens: int
     trainable_tokens: int
+    greedy_tokens: int
     admitted_tokens: int
     admitted_trainable_tokens: int
     paths_admitted: int
@@ -105,6 +107,9 @@ class PackedBatch:
     advantage: np.ndarray
     behavior_logprob: np.ndarray
     version: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
     execution_index: np.ndarray
     execution_ids: tuple[str, ...]
     execution_advantage: np.ndarray
@@ -252,12 +257,14 @@ def process(
     j_max: int | None = 5,
     seed: int = 0,
     advantage: str = "grpo",
+    advantage_std: str = "unbiased",
     rows_per_micro_step: int = 1,
     vocab_size: int | None = None,
     eval_retry_budget: int = 3,
     pad_id: int = 0,
     row_lengths: Sequence[int] | None = None,
     max_row_shapes: int | None = None,
+    demonstrations: bool = False,
 ) -> PackedBatch:
     """Turns finished executions into one packed batch.
 
@@ -269,6 +276,8 @@ def process(
       j_max: most root-to-leaf paths admitted per execution; None = all.
       seed: admission seed (per execution: seed and crc32 of its id).
       advantage: name of a registered group-relative estimator ("grpo", "rloo", ...).
+      advantage_std: the group std an estimator divides by: "unbiased" (ddof=1) or
+        "population" (ddof=0).
       rows_per_micro_step: R; the row count is padded to a multiple of R.
       vocab_size: if given, every token id must lie in [0, vocab_size).
       eval_retry_budget: eval_failed executions with at least this many evaluation
@@ -278,6 +287,8 @@ def process(
         trainer); None = (row_length,), every row of length L, as without buckets.
       max_row_shapes: most distinct row lengths in this batch (None = no cap). The
         lengths are chosen to minimise packed tokens; never worse than any one length.
+      demonstrations: supervised training (`rl.loss = "sft"`): greedy calls' outputs
+        are trained too, under the model's own distribution (`tree.build_tree`).
 
     Returns:
       A `PackedBatch`.
@@ -290,6 +301,10 @@ def process(
     _check_args(row_length, j_max, rows_per_micro_step, vocab_size, eval_retry_budget, pad_id)
     menu = (row_length,) if row_lengths is None else check_row_lengths(row_lengths, max_row_shapes)
     estimator = get_advantage(advantage)
+    if advantage_std not in ADVANTAGE_STDS:
+        raise ValueError(
+            f"advantage_std must be one of {', '.join(ADVANTAGE_STDS)}, got {advantage_std!r}"
+        )
     executions = list(executions)
     check_unique_ids(executions)
 
@@ -321,23 +336,24 @@ def process(
     reward_arr = np.asarray(rewards, dtype=np.float64)
     adv_arr = np.zeros(len(used), dtype=np.float64)
     for members in groups.values():
-        adv_arr[members] = estimator(reward_arr[members])
+        adv_arr[members] = estimator(reward_arr[members], std=advantage_std)
     if not np.all(np.isfinite(adv_arr)):
         raise ValueError(f"advantage estimator {advantage!r} returned non-finite values")
 
     # Trees, admission, layouts.
     layouts: list[ForestLayout] = []
     layout_exec: list[int] = []
-    naive = unique = generated = trainable = paths = num_calls = 0
+    naive = unique = generated = trainable = greedy = paths = num_calls = 0
     for i, ex in enumerate(used):
         num_calls += len(ex.calls)
         if not ex.calls:
             continue
-        tree = build_tree(list(ex.calls), ex.execution_id, vocab_size)
+        tree = build_tree(list(ex.calls), ex.execution_id, vocab_size, demonstrations)
         naive += sum(c.length for c in ex.calls)
         generated += sum(len(c.output_ids) for c in ex.calls)
         unique += tree.num_tokens
         trainable += int(tree.trainable.sum())
+        greedy += tree.greedy_tokens
         admitted, leaves = admit_paths(tree, j_max, admission_rng(seed, ex.execution_id))
         paths += len(leaves)
         if admitted.any():
@@ -409,6 +425,7 @@ def process(
         unique_tokens=unique,
         generated_tokens=generated,
         trainable_tokens=trainable,
+        greedy_tokens=greedy,
         admitted_tokens=admitted_tokens,
         admitted_trainable_tokens=sum(counts),
         paths_admitted=paths,

@@ -111,6 +111,12 @@ class ModelCall:
       engines: the engines that served the call (several if it migrated).
       started_at: unix seconds.
       finished_at: unix seconds.
+      temperature, top_p, top_k: the distribution the outputs were sampled from (as
+        `rollout.types.SamplingParams`: temperature 0 is greedy, top_p 1 and top_k 0
+        keep every token). The trainer's log-probs are taken under the same
+        distribution, so the importance ratio of an unchanged policy is exactly 1; a
+        greedy call's tokens are context, never trained. Records stored before these
+        fields existed read as 1 / 1 / 0, what the trainer then assumed.
     """
 
     execution_id: str
@@ -125,6 +131,9 @@ class ModelCall:
     engines: tuple[str, ...] = ()
     started_at: float = 0.0
     finished_at: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         owner = f"execution {self.execution_id!r} call {self.call_id!r}"
@@ -141,8 +150,17 @@ class ModelCall:
         if isinstance(self.engines, str):  # tuple("cell0") would be ("c", "e", ...)
             raise ValueError(f"{owner}: engines={self.engines!r}: expected a sequence of names")
         object.__setattr__(self, "engines", tuple(self.engines))
-        for name in ("started_at", "finished_at"):
+        for name in ("started_at", "finished_at", "temperature", "top_p"):
             object.__setattr__(self, name, _as_float(getattr(self, name), name, owner))
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int | np.integer):
+            raise ValueError(f"{owner}: top_k={self.top_k!r}: expected an int")
+        object.__setattr__(self, "top_k", int(self.top_k))
+        check_sampling(self.temperature, self.top_p, self.top_k, owner)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the outputs were sampled (temperature > 0), so they may be trained."""
+        return self.temperature > 0
 
     @property
     def length(self) -> int:
@@ -207,6 +225,17 @@ class Execution:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, owner: str) -> None:
+    """Raises ValueError naming `owner` and the field unless the settings describe a
+    distribution (the ranges of `rollout.types.SamplingParams`)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{owner}: temperature={temperature!r}: expected a finite number >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{owner}: top_p={top_p!r}: expected in (0, 1]")
+    if not 0 <= top_k < 2**31:
+        raise ValueError(f"{owner}: top_k={top_k!r}: expected an int32 >= 0 (0 is off)")
 
 
 def _as_float(value: Any, field: str, owner: str) -> float:

@@ -12,6 +12,9 @@ visible to query q iff k <= q < subtree_end[k] (DESIGN.md, "Packing").
   advantage         float32  the execution's group-relative advantage on all its tokens
   behavior_logprob  float32  sampling log-prob of trained tokens (0 elsewhere)
   version           int32    sampling policy version of trained tokens (0 elsewhere)
+  temperature       float32  sampling temperature of trained tokens (1 elsewhere)
+  top_p             float32  nucleus mass they were sampled with (1, no cut, elsewhere)
+  top_k             int32    top-k they were sampled with (0, no cut, elsewhere)
   execution_index   int32    index of the token's execution in the batch (-1 on padding)
 
 Pure NumPy, like the rest of `gyrejax.trajectory`.
@@ -33,6 +36,9 @@ ROW_FIELDS: dict[str, type[np.generic]] = {
     "advantage": np.float32,
     "behavior_logprob": np.float32,
     "version": np.int32,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "top_k": np.int32,
     "execution_index": np.int32,
 }
 # What a training micro-step reads (all but the bookkeeping `execution_index`).
@@ -43,6 +49,7 @@ def padding_rows(n: int, row_length: int, pad_id: int = 0) -> dict[str, np.ndarr
     """`n` all-padding rows of every field (the padding values of the module docstring)."""
     shape = (n, row_length)
     fill = {"tokens": pad_id, "pred_index": -1, "execution_index": -1}
+    fill.update(temperature=1, top_p=1)
     rows = {name: np.full(shape, fill.get(name, 0), dtype) for name, dtype in ROW_FIELDS.items()}
     rows["subtree_end"][:] = np.arange(1, row_length + 1, dtype=np.int32)
     return rows

@@ -4,7 +4,9 @@ Record format (little-endian):
 
   b"GXEXEC01" | header_len: u64 | header: JSON (utf-8) | payload | sha256(all before): 32B
 
-The header holds every scalar field of the execution and its calls; the payload holds
+The header holds every scalar field of the execution and its calls (their sampling
+settings too; a record written before those were stored reads as temperature 1, no
+truncation, what the trainer then assumed); the payload holds
 four concatenated arrays: prompt suffixes (int32), outputs (int32), logprobs (float32),
 versions (int32). Prompts are delta-coded: a multi-turn agent re-sends its whole
 history, so each prompt is stored as (reference call, shared prefix length, suffix),
@@ -42,13 +44,21 @@ from pathlib import Path
 
 import numpy as np
 
-from gyrejax.trajectory.records import STATUSES, Execution, ModelCall, validate_record
+from gyrejax.trajectory.records import (
+    STATUSES,
+    Execution,
+    ModelCall,
+    check_sampling,
+    validate_record,
+)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"GXEXEC01"
 SUFFIX = ".gxr"
 _DIGEST_BYTES = 32
+# A call's sampling settings, and what a record written before they were stored reads as.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_")
 _MAX_NAME = 200
 
@@ -111,6 +121,12 @@ def check_header(header: dict) -> None:
             value = meta.get(name)
             if not (_is_number(value) and math.isfinite(value)):
                 raise ValueError(f"calls[{i}].{name}={value!r}: expected a finite number")
+        # Absent in records written before the sampling settings were stored.
+        for name, default in SAMPLING_DEFAULTS.items():
+            value = meta.get(name, default)
+            if not (_is_int(value) if name == "top_k" else _is_number(value)):
+                raise ValueError(f"calls[{i}].{name}={value!r}: expected a number")
+        check_sampling(*(meta.get(n, d) for n, d in SAMPLING_DEFAULTS.items()), f"calls[{i}]")
 
 
 def escape_id(execution_id: str) -> str:
@@ -177,6 +193,9 @@ def encode_execution(execution: Execution) -> bytes:
                 "finished_at": call.finished_at,
                 "prompt_len": len(call.prompt_ids),
                 "output_len": len(call.output_ids),
+                "temperature": call.temperature,
+                "top_p": call.top_p,
+                "top_k": call.top_k,
                 "ref": ref,
                 "shared": shared,
             }
@@ -286,6 +305,7 @@ def decode_execution(data: bytes, source: str = "<bytes>") -> Execution:
                     engines=tuple(m["engines"]),
                     started_at=m["started_at"],
                     finished_at=m["finished_at"],
+                    **{n: m.get(n, d) for n, d in SAMPLING_DEFAULTS.items()},
                 )
             )
         execution = Execution(
