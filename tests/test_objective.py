@@ -224,6 +224,22 @@ def test_a_token_whose_ratio_means_nothing_is_dropped_not_the_step():
     )
 
 
+def test_the_cut_computed_in_blocks_equals_the_cut_at_once():
+    """The trainer's top-k/top-p threshold, THRESHOLD_BLOCK tokens at a time with an
+    overlapping last block (600 tokens: not a whole number of blocks), equals the
+    engine's function over all tokens at once."""
+    from gyrejax.model.sampling import truncation_threshold
+    from gyrejax.rl.objective import THRESHOLD_BLOCK, _blocked_threshold
+
+    rng = np.random.default_rng(0)
+    n = 2 * THRESHOLD_BLOCK + 88
+    logits = jnp.asarray(rng.normal(0, 2, (n, 64)), jnp.float32)
+    top_k = jnp.asarray(rng.choice([0, 5, 20], n), jnp.int32)
+    top_p = jnp.asarray(rng.choice([1.0, 0.9, 0.5], n), jnp.float32)
+    want = truncation_threshold(logits, top_k, top_p)
+    np.testing.assert_array_equal(jax.jit(_blocked_threshold)(logits, top_k, top_p), want)
+
+
 def test_mismatch_metrics_cover_the_current_versions_tokens_only():
     """Mean, max, p99 (within its bin) of |trainer - engine| log-prob and the k3 mismatch
     KL, over the tokens the trainer's own version sampled, against NumPy (float64)."""

@@ -152,19 +152,18 @@ THRESHOLD_BLOCK = 256
 
 
 def _blocked_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`truncation_threshold` of logits float32[T, V], THRESHOLD_BLOCK tokens at a time."""
+    """`truncation_threshold` of logits float32[T, V], THRESHOLD_BLOCK tokens at a time
+    (the last block overlaps the one before rather than padding: no [T, V] copy)."""
     n = logits.shape[0]
     block = min(THRESHOLD_BLOCK, n)
-    blocks = -(-n // block)
-    pad = blocks * block - n
-    args = (
-        jnp.pad(logits, ((0, pad), (0, 0))),
-        jnp.pad(top_k, (0, pad)),
-        jnp.pad(top_p, (0, pad), constant_values=1.0),
-    )
-    split = lambda x: x.reshape(blocks, block, *x.shape[1:])
-    out = jax.lax.map(lambda a: truncation_threshold(*a), tuple(split(x) for x in args))
-    return out.reshape(-1)[:n]
+
+    def one(i, out):
+        start = jnp.minimum(i * block, n - block)
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block)
+        threshold = truncation_threshold(cut(logits), cut(top_k), cut(top_p))
+        return jax.lax.dynamic_update_slice_in_dim(out, threshold, start, 0)
+
+    return jax.lax.fori_loop(0, -(-n // block), one, jnp.full((n,), -jnp.inf, logits.dtype))
 
 
 def micro_step_loss(
