@@ -748,6 +748,14 @@ class Config:
                 self.scheduler.dispatch_order,
                 'needs tasks that carry "expected_s": rl.tasks_path (with rl.agent=command)',
             )
+        rl_rollouts = self.rl.loss != "sft" and not self.train.executions_dir and self.train.steps
+        if rl_rollouts and self.rl.agent == "builtin" and self.rollout.temperature == 0:
+            _fail(
+                "rollout.temperature",
+                0,
+                "greedy calls are context, never trained as samples, so RL would train "
+                "nothing; use a temperature > 0",
+            )
         if self.eval.every_steps and self.rl.agent != "builtin":
             _fail(
                 "eval.every_steps",

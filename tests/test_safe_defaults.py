@@ -32,6 +32,14 @@ from gyrejax.trajectory import advantages
 # --- train.master_dtype = "same" below float32 ------------------------------------------
 
 
+def test_rl_with_greedy_rollouts_is_refused_since_it_would_train_nothing():
+    with pytest.raises(ConfigError, match=r"rollout.temperature=0: greedy calls are context"):
+        from_dict({"rollout": {"temperature": 0.0}})
+    # No RL steps (one evaluation batch), SFT, or a stored set: greedy is fine.
+    assert from_dict({"rollout": {"temperature": 0.0}, "train": {"steps": 0}})
+    assert from_dict({"rollout": {"temperature": 0.0}, "rl": {"loss": "sft"}})
+
+
 def test_same_dtype_updates_of_a_bfloat16_model_are_refused_unless_allowed():
     same = {"model": {"dtype": "bfloat16"}, "train": {"master_dtype": "same"}}
     with pytest.raises(ConfigError) as refused:
