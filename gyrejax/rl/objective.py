@@ -89,9 +89,11 @@ def token_logprobs(
         rows["top_p"].astype(jnp.float32),
     )
     truncating = jnp.any((per_token[2] > 0) | (per_token[3] < 1))
+    # Once per micro-step, not per chunk (and not again in each chunk's recompute).
+    column = jax.lax.stop_gradient(jnp.max(jnp.linalg.norm(weights, axis=0)))
     length = per_token[0].shape[1]
     if not 0 < chunk_tokens < length:
-        return TokenLogprobs(*_head(predicting, *per_token, weights, truncating))
+        return TokenLogprobs(*_head(predicting, *per_token, weights, column, truncating))
     # Chunks along the row, so the rows' own (fsdp) split is kept; the row is padded to
     # a whole number of chunks and the padding's outputs dropped.
     chunks = -(-length // chunk_tokens)
@@ -103,22 +105,23 @@ def token_logprobs(
     split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], chunks, chunk_tokens, *x.shape[2:]), 1, 0)
     # Under checkpoint a chunk keeps only its inputs: its logits exist one chunk at a time,
     # in the forward and again in the backward.
-    head = jax.checkpoint(lambda *c: _head(*c, weights, truncating))
+    head = jax.checkpoint(lambda *c: _head(*c, weights, column, truncating))
     outputs = jax.lax.map(lambda c: head(*c), tuple(split(x) for x in padded))
     unsplit = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)[:, :length]
     return TokenLogprobs(*(unsplit(x) for x in outputs))
 
 
-def _head(hidden, tokens, temperature, top_k, top_p, weights, truncating):
+def _head(hidden, tokens, temperature, top_k, top_p, weights, column, truncating):
     """Per token of hidden states float[..., T, E]: the log-prob of `tokens` int32[..., T]
     under the logits (output matrix float32[E, V]) divided by `temperature` float32[..., T]
     and cut to `top_k` int32[..., T] / `top_p` float32[..., T] when `truncating`; the
-    entropy of that distribution (no gradient); whether it is `unreproduced`."""
+    entropy of that distribution (no gradient); whether it is `unreproduced`. `column`:
+    the largest column norm of the output matrix (no gradient)."""
     hidden = hidden.astype(jnp.float32)
     # Tempered before the matmul, so the logits are one [..., V] buffer. |logit| <=
-    # |h| * the largest column norm of W: where that bound over the temperature is not
-    # finite the logits could overflow, so the token is computed at temperature 1.
-    column = jnp.max(jnp.linalg.norm(weights, axis=0))
+    # |h| * the largest column norm of W (`column`): where that bound over the
+    # temperature is not finite the logits could overflow, so the token is computed at
+    # temperature 1.
     bound = jnp.linalg.norm(hidden, axis=-1) * column
     overflow = jax.lax.stop_gradient(~jnp.isfinite(bound / temperature))
     logits = (hidden / jnp.where(overflow, 1.0, temperature)[..., None]) @ weights
