@@ -10,7 +10,8 @@ is checked here, each failure one `ConfigError` line naming the field and value:
     config.json, a `model.tokenizer` path holding an HF tokenizer's files), and a model
     that runs the harness covers its tokenizer's vocabulary (the byte tokenizer's, or
     `len()` of the HF tokenizer, loaded with transformers): its ids would index past the
-    embedding; `rollout.engine=vllm` finds the vllm package installed; an RL run's
+    embedding; `rl.tasks_path` is read and resolved in full (every bad line named);
+    `rollout.engine=vllm` finds the vllm package installed; an RL run's
     held-out evaluation (`eval.every_steps` > 0) has its tasks, disjoint from training's
     (`harness.held_out.held_out_tasks`: the file readable, its lines tasks);
   * `check_devices`, once the device count is known and before any cell is built: JAX
@@ -141,12 +142,12 @@ def check_inputs(config: Config) -> None:
             raise ConfigError(
                 f"{field}: no {' or '.join(TOKENIZER_FILES)} (not an HF tokenizer directory)"
             )
+    if _runs_harness(config) and config.rl.tasks_path:
+        _check_task_file(config)
     if _runs_rl(config) and config.eval.every_steps:
-        from gyrejax.harness.envs import get_environment  # (environments: plain Python)
         from gyrejax.harness.held_out import held_out_tasks
 
-        # Drawing tasks runs no agent code: no sandbox to probe here.
-        held_out_tasks(config, get_environment(config.harness.environment, sandbox="python_guard"))
+        held_out_tasks(config, _environment(config))
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "config.rollout.engine=vllm: the vllm package is not installed "
@@ -163,6 +164,27 @@ def check_inputs(config: Config) -> None:
                 f"config.{field}={vocab_size}: below the harness tokenizer's vocabulary of "
                 f"{tokenizer_size} tokens{named} (its token ids would index past the embedding)"
             )
+
+
+def _environment(config: Config):
+    """The run's environment, to draw and resolve tasks: that runs no agent code, so no
+    sandbox is probed here."""
+    from gyrejax.harness.envs import get_environment  # (environments: plain Python)
+
+    return get_environment(config.harness.environment, sandbox="python_guard")
+
+
+def _check_task_file(config: Config) -> None:
+    """`rl.tasks_path` read and resolved in full, before the warm start: every bad line
+    is named at once (the runtime reads it again, the same way)."""
+    from gyrejax.harness.tasks import load_task_file
+
+    env = _environment(config)
+    load_task_file(
+        config.rl.tasks_path,
+        env if config.rl.reward == "environment" else None,
+        need_expected=config.scheduler.dispatch_order == "longest_first",
+    )
 
 
 def _tokenizer_size(path: str) -> int:

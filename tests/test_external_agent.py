@@ -15,6 +15,7 @@ recorded by the agent itself, in its own format.
 import asyncio
 import dataclasses
 import json
+import re
 import sys
 import textwrap
 import time
@@ -25,6 +26,7 @@ from conftest import REPO_ROOT, load_config_file
 from test_agent import CONFIG, run_one, two_file_task
 from test_openai_proxy import without_times
 
+from gyrejax import preflight
 from gyrejax.cells import split_into_cells
 from gyrejax.config import ConfigError, from_dict
 from gyrejax.harness import tokenizer as tok
@@ -182,6 +184,38 @@ def test_a_crashing_agent_is_failed_with_its_stderr_tail_and_the_others_go_on(tm
     assert batch.stats.executions_dropped == 1  # never trained
 
 
+def test_an_agent_finishing_its_own_execution_ends_only_that_and_cannot_set_its_reward(
+    tmp_path,
+):
+    # The audit's crash: the documented finish on its own execution ended the whole run
+    # (KeyError when the run closed it). Now it ends the agent's requests; the run
+    # scores the workspace and keeps the record, and the reward the agent sent is ignored.
+    agent = write(tmp_path, "finisher.py", """
+        import json, os, urllib.parse, httpx
+        url, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+        me = urllib.parse.quote(os.environ["GYREJAX_EXECUTION"], safe="")
+        auth = {"Authorization": f"Bearer {key}"}
+        first = httpx.post(f"{url}/completions", headers=auth, timeout=30,
+                           json={"model": "m", "prompt": [1, 2], "max_tokens": 4})
+        done = httpx.post(f"{url}/executions/{me}/finish",
+                          headers=auth, json={"status": "finished", "reward": 1.0})
+        after = httpx.post(f"{url}/completions", headers=auth, timeout=30,
+                           json={"model": "m", "prompt": [1, 2], "max_tokens": 4})
+        json.dump([first.status_code, done.status_code, done.json(), after.status_code],
+                  open("answers.json", "w"))
+    """)  # fmt: skip
+    task = two_file_task()[0]
+    engine = ScriptedEngine("scripted", lambda prompt, request: [tok.EOT])
+    finished, other = run_group(tmp_path, engine, [sys.executable, agent], [task, task])
+    for execution in (finished, other):  # both recorded and scored by the run
+        assert (execution.status, execution.reward) == ("finished", 0.0)  # not the 1.0 sent
+        assert len(execution.calls) == 1  # the call before finish; none after
+    for answers in (tmp_path / "workspaces").rglob("answers.json"):
+        first, done, body, after = json.loads(answers.read_text())
+        assert (first, done, after) == (200, 200, 401)
+        assert body["ended"] is True and body["scored_by"] == "the run"
+
+
 def test_the_agent_gets_its_task_workspace_and_key_not_the_runs_secrets(tmp_path, monkeypatch):
     monkeypatch.setenv("GYREJAX_API_KEY", ADMIN_KEY)
     agent = write(tmp_path, "env.py", """
@@ -249,11 +283,54 @@ def test_bad_agent_settings_are_one_line_naming_the_field(overrides, message):
         from_dict(c)
 
 
-def test_a_bad_task_file_is_one_line_naming_the_line(tmp_path):
+def test_a_bad_task_file_names_every_bad_line_at_once_before_the_run_starts(tmp_path):
+    # The audit's files: invalid UTF-8 (was a traceback), index -1 (an IndexError), a huge
+    # index (a hang), beside the older shapes of error; one error names them all.
+    good = MiniRepoEnv().task_line(MiniRepoEnv().sample_tasks(1, seed=0)[0], seed=0, index=0)
+    located = {"seed": 0, "difficulty": 1}
+    lines = [
+        json.dumps(good).encode(),
+        b'{"id": "b", "prompt": "caf\xe9"}',
+        json.dumps(good | {"mini_repo": located | {"index": -1}}).encode(),
+        json.dumps(good | {"mini_repo": located | {"index": 10**12}}).encode(),
+        json.dumps(good | {"mini_repo": located | {"index": 0, "seed": True}}).encode(),
+        json.dumps(good | {"mini_repo": "0/1/0"}).encode(),
+        b'{"id": "c"}',
+        b"not json",
+    ]
     path = tmp_path / "tasks.jsonl"
-    path.write_text('{"id": "a", "prompt": "p"}\n{"id": "b"}\n')
-    with pytest.raises(ConfigError, match=r"config\.rl\.tasks_path=.*: line 2: expected"):
-        load_task_file(str(path))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as error:
+        load_task_file(str(path), MiniRepoEnv())
+    assert time.monotonic() - started < 10  # the huge index is refused, not drawn
+    head, *named = str(error.value).splitlines()
+    assert re.fullmatch(r"config\.rl\.tasks_path='.*tasks.jsonl': 7 bad lines:", head)
+    assert [line.split(":")[0].strip() for line in named] == [f"line {n}" for n in range(2, 9)]
+    for line, fragment in zip(named, [
+        "not UTF-8 (byte 26: b'\\xe9')", '"mini_repo"."index"=-1', '"index"=1000000000000',
+        '"mini_repo"."seed"=True', '"mini_repo"=\'0/1/0\'', 'string "id" and "prompt"',
+        "not JSON",
+    ], strict=True):  # fmt: skip
+        assert fragment in line, (fragment, line)
+    # launch reads it before anything is built (preflight), with the same message.
+    c = load_config_file("tiny_cpu", "smoke")
+    c.rl.agent, c.rl.agent_command, c.rl.tasks_path = "command", "true", str(path)
+    with pytest.raises(ConfigError, match="7 bad lines"):
+        preflight.check_inputs(from_dict(c))
+
+
+def test_the_agent_sees_a_task_lines_public_fields_never_its_hidden_task(tmp_path):
+    # The audit regenerated the answers from the seed and index GYREJAX_TASK carried.
+    env = MiniRepoEnv()
+    line = env.task_line(env.sample_tasks(1, seed=0)[0], seed=0, index=0) | {"hint": "x"}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    for scorer in (env, None):  # rl.reward = environment | agent
+        (task,) = load_task_file(str(path), scorer, private_fields=env.private_task_fields)
+        seen = json.loads(task_json(task))
+        assert seen == {"id": line["id"], "prompt": line["prompt"], "hint": "x"}
+    assert task.data["mini_repo"] == line["mini_repo"]  # the run still resolves it
 
 
 def test_an_rl_run_with_a_command_agent_trains_while_a_member_crashes(tmp_path):

@@ -115,9 +115,9 @@ FILE = r"config\.eval\.tasks_path='.*tasks.jsonl'"
     [
         (None, FILE + ": cannot read it"),
         ("", FILE + ": no tasks in it"),
-        ('{"id": "a"}\n', FILE + ': line 1: expected an object with string "id" and "prompt"'),
-        ('{"prompt": "p"}\n', FILE + ": line 1: expected an object"),
-        ('{"id": "a", "prompt": "p"}\n', FILE + ": line 1: not a mini_repo task"),
+        ('{"id": "a"}\n', FILE + ': 1 bad line:\n  line 1: expected an object with string "id"'),
+        ('{"prompt": "p"}\n', FILE + ": 1 bad line:\n  line 1: expected an object"),
+        ('{"id": "a", "prompt": "p"}\n', FILE + ": 1 bad line:\n  line 1: not a mini_repo task"),
     ],
 )
 def test_a_bad_eval_task_file_is_one_line_naming_the_field(tmp_path, content, message):

@@ -183,6 +183,33 @@ def test_config_errors_are_one_line_before_anything_is_built(tmp_path, overrides
     assert not workdir.exists()
 
 
+def test_a_second_launch_on_a_workdir_in_use_exits_naming_the_holder(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from gyrejax.workdir_lock import hold; "
+         f"hold({str(tmp_path)!r}); print('held', flush=True); time.sleep(120)"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        result = launch("--config", "configs/tiny_cpu.py:smoke", "--workdir", str(tmp_path))
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"gyrejax.launch: --workdir={tmp_path}: in use by pid {holder.pid} (lock "
+            f"{tmp_path}/.lock); wait for it to end or pick another workdir"
+        )
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the dead holder's lock: the next taker gets it (pid rewritten).
+    taker = subprocess.run(
+        [sys.executable, "-c", f"from gyrejax.workdir_lock import hold; hold({str(tmp_path)!r})"],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert taker.returncode == 0, taker.stderr
+    assert int((tmp_path / ".lock").read_text()) not in (holder.pid, os.getpid())
+
+
 def test_unreadable_checkpoints_are_one_clear_line_and_stay_where_they_are(tmp_path):
     """Both checkpoints an RL run left are damaged: launch says so in one line, and moves
     nothing (a rerun must not silently start afresh)."""

@@ -250,6 +250,95 @@ def test_runaway_modules_fail_their_checks_in_time(env, tmp_path, source):
     assert score.details[0] == f"pass: {goal.path} exists"
 
 
+# Agent code that tries to forge its verdict instead of writing the function. Each runs in
+# the checker's own process (it is the module the checker imports).
+# The checker's globals, found up the import's stack (the script runs under exec): a
+# forger that uses `checker` starts with this.
+CHECKER_GLOBALS = (
+    "import sys\n"
+    "frame = sys._getframe()\n"
+    "while 'report' not in frame.f_globals:\n"
+    "    frame = frame.f_back\n"
+    "checker = frame.f_globals\n"
+)
+FORGERS = {
+    # The audit's forger: no function; it calls the checker's own reporter with passes.
+    "calls the checker's reporter": (
+        "import os\n"
+        "for step in ('defines', 'call0', 'call1', 'call2'):\n"
+        "    checker['report'](step, ok=True, callable=True, value=-77, got='ok')\n"
+        "checker['report']('end')\nos._exit(0)\n"
+    ),
+    "prints verdict-like lines": (
+        "import os, json\n"
+        "for i in range(3):\n"
+        "    os.write(1, f'pass: {{i}}\\n'.encode())\n"
+        "    os.write(1, (json.dumps({{'step': f'call{{i}}', 'ok': True, 'value': -77}})"
+        " + '\\n').encode())\n"
+    ),
+    "exits 0 early": "def {fn}(x):\n    return -77\nimport os\nos._exit(0)\n",
+    "monkeypatches the harness": (
+        "import json\n"
+        "real = checker['report']\n"
+        "def report(step, **fields):\n"
+        "    real(step, **fields | {{'ok': True, 'callable': True}})\n"
+        "checker['report'] = report\n"
+        "checker['callable'] = lambda f: True\n"
+        "def {fn}(x):\n    return -77\n"
+    ),
+    # Reads everything the checker process holds: its code's constants and globals up
+    # the stack, its files and command line (at import), its objects and the caller's
+    # variables (at each call), for anything that looks like the answer to x.
+    "reads the checker's files and memory": (
+        "import gc, os, sys\n"
+        "found = []\n"
+        "frame = sys._getframe()\n"
+        "while frame:\n"
+        "    found += [repr(frame.f_code.co_consts), repr(list(frame.f_globals.items()))]\n"
+        "    frame = frame.f_back\n"
+        "for path in ['/proc/self/fd/' + fd for fd in os.listdir('/proc/self/fd')] + "
+        "['/proc/self/cmdline', '/proc/self/environ']:\n"
+        "    try:\n"
+        "        if os.path.isfile(path):  # (a pipe's read would wait for ever)\n"
+        "            found.append(open(path, errors='replace').read(1 << 16))\n"
+        "    except Exception:\n"
+        "        pass\n"
+        "open('found.txt', 'w').write('\\n'.join(found))\n"
+        "def {fn}(x):\n"
+        "    for obj in gc.get_objects():  # an [input, answer] pair\n"
+        "        if type(obj) in (list, tuple) and len(obj) == 2 and obj[0] == x \\\n"
+        "                and type(obj[1]) is int and obj[1] != x:\n"
+        "            return obj[1]\n"
+        "    for name, value in sys._getframe(1).f_globals.items():  # want, expected, ...\n"
+        "        if type(value) is int and name not in ('x', 'i', 'got') and value != x:\n"
+        "            return value\n"
+        "    return -77\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", list(FORGERS))
+def test_a_module_cannot_forge_its_verdict(env, tmp_path, attack):
+    task = module_task(env)
+    (goal,) = task.goals
+    assert -77 not in [want for _, want in goal.cases]
+    source = FORGERS[attack].format(fn=goal.function)
+    source = (CHECKER_GLOBALS if "checker[" in source else "") + source
+    Workspace(tmp_path).write(goal.path, source)
+    score = env.score(task, tmp_path)
+    assert score.details[0] == f"pass: {goal.path} exists"
+    calls = [d for d in score.details if f"{goal.function}(" in d and "==" in d]
+    assert len(calls) == 3 and not any(d.startswith("pass") for d in calls), score.details
+    if "def {fn}" not in FORGERS[attack]:  # a "defines" reported, but nothing defined
+        assert score.details[1].startswith(f"fail: {goal.path} defines"), score.details
+    if attack == "reads the checker's files and memory":  # it did read the checker
+        text = (tmp_path / "found.txt").read_text()
+        assert all(str(x) in text for x, _ in goal.cases)
+    # The solution written the same way still passes (the checker works).
+    Workspace(tmp_path).write(goal.path, goal.solution)
+    assert env.score(task, tmp_path).passed == 5
+
+
 def test_evaluation_errors_are_injected_and_detected(tmp_path, monkeypatch):
     env = get_environment("mini_repo", fail_evaluations=2, limits=FAST)
     task = env.sample_tasks(1, seed=0, difficulty=1)[0]

@@ -3,6 +3,7 @@ steps are skipped, checkpoints restore onto other layouts and resume exactly, an
 corrupt checkpoint falls back to the newest readable one."""
 
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -29,6 +30,7 @@ from gyrejax.config import (
 )
 from gyrejax.model.hf_io import CheckpointError, export_hf, load_hf
 from gyrejax.model.transformer import init_model
+from gyrejax.train import checkpoint as checkpoint_module
 from gyrejax.train.checkpoint import (
     TOKENIZER_KEY,
     TrainCheckpointer,
@@ -512,6 +514,42 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_readable_one(
     checkpointer = TrainCheckpointer(tmp_path / "ck", config)
     assert again.restore(checkpointer)["data_position"] == 3 and again.step == 3
     assert checkpointer.all_steps() == [1, 2, 3] and aside.exists()
+
+
+def test_a_storage_error_is_retried_and_never_moves_a_good_checkpoint(tmp_path, monkeypatch):
+    # The audit's loss: one I/O error on the newest checkpoint moved it aside for good.
+    core = cells()[0]
+    config = CheckpointConfig(every_steps=1, keep=3)
+    trainer = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
+    checkpointer = TrainCheckpointer(tmp_path / "ck", config)
+    for b in [make_batch(4), make_batch(5)]:
+        trainer.train_step(b)
+        trainer.save(checkpointer)
+    checkpointer.close()
+    saved = params_np(trainer)
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    read = TrainCheckpointer._restore_step
+    failures = {"left": 0}
+
+    def flaky(self, step, *targets):  # the newest step's read fails by EIO, `left` times
+        if step == 2 and failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, step, *targets)
+
+    monkeypatch.setattr(TrainCheckpointer, "_restore_step", flaky)
+    monkeypatch.setattr(checkpoint_module, "RESTORE_RETRY_S", 0.0)
+    failures["left"] = 2  # transient: the third attempt reads it
+    resumed = ElasticTrainer(init_model(MODEL, seed=5), core, rl=RLConfig(), train=TRAIN)
+    resumed.restore(TrainCheckpointer(tmp_path / "ck", config))
+    assert resumed.step == 2 and failures["left"] == 0
+    jax.tree.map(np.testing.assert_array_equal, params_np(resumed), saved)
+    failures["left"] = 10**6  # the storage stays broken: an error, not a fallback to step 1
+    fresh = ElasticTrainer(init_model(MODEL, seed=6), core, rl=RLConfig(), train=TRAIN)
+    with pytest.raises(CheckpointError, match=r"ck/2: could not be read in 3 attempts \(OSError"):
+        fresh.restore(TrainCheckpointer(tmp_path / "ck", config))
+    assert fresh.step == 0
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before  # nothing moved
 
 
 def test_no_readable_checkpoint_is_one_clear_error_and_nothing_is_moved(tmp_path):

@@ -7,7 +7,7 @@ in the execution's workspace, in its own process group, with
 
   OPENAI_BASE_URL    http://127.0.0.1:PORT/v1, the door (served by the runtime itself)
   OPENAI_API_KEY     the execution's own key
-  GYREJAX_TASK       the task as JSON (`tasks.task_json`)
+  GYREJAX_TASK       the task as JSON (`tasks.task_json`: its public fields only)
   GYREJAX_WORKSPACE  the workspace path (also the working directory)
   GYREJAX_MODEL      the served model name
   GYREJAX_EXECUTION  the execution id (for the agent's own logs)
@@ -105,7 +105,7 @@ class CommandAgents:
         agent's behaviour). `seed` is unused: the agent seeds its own requests (the door
         seeds those that give none from the execution id and request count)."""
         del seed
-        key = self.door.open_execution(execution_id, task.task_id, group_id)
+        key = self.door.open_execution(execution_id, task.task_id, group_id, owned=True)
         name = workspace_name(execution_id)
         workspace = Workspace(self.workdir / name)
         logs = self.workdir / name

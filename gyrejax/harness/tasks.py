@@ -33,78 +33,108 @@ def draw_tasks(env, config: HarnessConfig, n: int, *, seed: int, run_seed: int =
 
 @dataclasses.dataclass(frozen=True)
 class FileTask:
-    """A task from `rl.tasks_path`: `data` is its whole JSON line (the agent gets it as
-    GYREJAX_TASK); `env_task` the environment's own task, when the line names one (for
-    `rl.reward = environment`); `expected_s` its line's "expected_s" (None: none)."""
+    """A task from `rl.tasks_path`: `data` is its whole JSON line; `public` what the agent
+    gets of it (GYREJAX_TASK): the line without the environment's private fields (those
+    that locate the hidden task, e.g. mini_repo's seed and index); `env_task` the
+    environment's own task, when the line names one (for `rl.reward = environment`);
+    `expected_s` its line's "expected_s" (None: none)."""
 
     task_id: str
     spec: str
     data: dict
     env_task: object = None
     expected_s: float | None = None
+    public: dict = dataclasses.field(default_factory=dict)
+
+
+MAX_TASK_FILE_ERRORS = 20  # lines of a task file's error named one by one; then a count
 
 
 def load_task_file(
-    path: str, env=None, need_expected: bool = False, field: str = "rl.tasks_path"
+    path: str,
+    env=None,
+    need_expected: bool = False,
+    field: str = "rl.tasks_path",
+    private_fields: tuple[str, ...] = (),
 ) -> list[FileTask]:
-    """The tasks of a JSONL file; with `env`, each line is also resolved to the
-    environment's task (`env.task_from_dict`), so its verifier can score it.
-    `need_expected`: every line must carry "expected_s" (a number > 0, seconds).
-    `field`: the config field that names the file (errors name it).
+    """The tasks of a JSONL file, validated in full; with `env`, each line is also
+    resolved to the environment's task (`env.task_from_dict`), so its verifier can score
+    it. `need_expected`: every line must carry "expected_s" (a number > 0, seconds).
+    `field`: the config field that names the file (errors name it). `private_fields`:
+    keys never shown to the agent (also `env.private_task_fields`).
 
     Raises:
-      ConfigError: one line naming `field`, the line and what is wrong.
+      ConfigError: naming `field`, then one line per bad line (its number and what is
+        wrong), so a file is fixed in one pass.
     """
     where = f"config.{field}={path!r}"
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        raw = Path(path).read_bytes().split(b"\n")
     except OSError as e:
         raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
-    tasks = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    if env is not None and not hasattr(env, "task_from_dict"):
+        raise ConfigError(
+            f"{where}: environment {env.name!r} cannot score file tasks; use rl.reward=agent"
+        )
+    private = set(private_fields) | set(getattr(env, "private_task_fields", ()))
+    tasks, errors = [], []
+    for n, line in enumerate(raw, 1):
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: line {n} is not JSON ({e.msg})") from None
-        if not isinstance(data, dict) or not all(
-            isinstance(data.get(k), str) and data[k] for k in ("id", "prompt")
-        ):
-            raise ConfigError(
-                f'{where}: line {n}: expected an object with string "id" and "prompt"'
-            )
-        expected = data.get("expected_s")
-        if expected is not None or need_expected:
-            if isinstance(expected, bool) or not isinstance(expected, (int, float)):
-                raise ConfigError(
-                    f'{where}: line {n}: "expected_s"={expected!r}, expected a number of '
-                    "seconds > 0 (scheduler.dispatch_order=longest_first dispatches by it)"
-                )
-            try:
-                seconds = float(expected)
-            except OverflowError:  # an int too large for a float
-                seconds = math.inf
-            if not (math.isfinite(seconds) and seconds > 0):
-                raise ConfigError(
-                    f'{where}: line {n}: "expected_s"={expected!r}, expected a finite number > 0'
-                )
-            expected = seconds
-        env_task = None
-        if env is not None:
-            if not hasattr(env, "task_from_dict"):
-                raise ConfigError(
-                    f"{where}: environment {env.name!r} cannot score file tasks; use "
-                    "rl.reward=agent"
-                )
-            try:
-                env_task = env.task_from_dict(data)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ConfigError(f"{where}: line {n}: not a {env.name} task ({e})") from None
-        tasks.append(FileTask(data["id"], data["prompt"], data, env_task, expected))
+            task = _task_line(line, env, need_expected, private)
+        except ValueError as e:
+            errors.append(f"line {n}: {e}")
+            continue
+        if task is not None:
+            tasks.append(task)
+    if errors:
+        shown = errors[:MAX_TASK_FILE_ERRORS]
+        if len(errors) > len(shown):
+            shown.append(f"... and {len(errors) - len(shown)} more bad lines")
+        count = f"{len(errors)} bad line" + ("s" if len(errors) > 1 else "")
+        raise ConfigError(f"{where}: {count}:\n  " + "\n  ".join(shown))
     if not tasks:
         raise ConfigError(f"{where}: no tasks in it")
     return tasks
+
+
+def _task_line(line: bytes, env, need_expected: bool, private: set) -> FileTask | None:
+    """One line's task (None: a blank line). Raises ValueError saying what is wrong."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte {e.start}: {line[e.start : e.start + 1]!r})") from None
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg})") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(data.get(k), str) and data[k] for k in ("id", "prompt")
+    ):
+        raise ValueError('expected an object with string "id" and "prompt"')
+    expected = data.get("expected_s")
+    if expected is not None or need_expected:
+        if isinstance(expected, bool) or not isinstance(expected, (int, float)):
+            raise ValueError(
+                f'"expected_s"={expected!r}, expected a number of seconds > 0 '
+                "(scheduler.dispatch_order=longest_first dispatches by it)"
+            )
+        try:
+            seconds = float(expected)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f'"expected_s"={expected!r}, expected a finite number > 0')
+        expected = seconds
+    env_task = None
+    if env is not None:
+        try:
+            env_task = env.task_from_dict(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a {env.name} task ({e})") from None
+    public = {k: v for k, v in data.items() if k not in private}
+    return FileTask(data["id"], data["prompt"], data, env_task, expected, public)
 
 
 def draw_file_task(tasks: list[FileTask], *, seed: int, run_seed: int = 0) -> FileTask:
@@ -113,8 +143,8 @@ def draw_file_task(tasks: list[FileTask], *, seed: int, run_seed: int = 0) -> Fi
 
 
 def task_json(task) -> str:
-    """The task as the agent sees it (GYREJAX_TASK): a file task's own line, else the
-    environment task's id and prompt."""
+    """The task as the agent sees it (GYREJAX_TASK): a file task's public fields (never
+    what locates its hidden answers), else the environment task's id and prompt."""
     if isinstance(task, FileTask):
-        return json.dumps(task.data)
+        return json.dumps(task.public)
     return json.dumps({"id": task.task_id, "prompt": task.spec})

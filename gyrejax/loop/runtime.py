@@ -95,7 +95,12 @@ class Runtime:
         if config.rl.tasks_path:  # read (and resolved) now: a bad file is one error line
             scorer = env if config.rl.reward == "environment" else None
             by_expected = config.scheduler.dispatch_order == "longest_first"
-            tasks = load_task_file(config.rl.tasks_path, scorer, need_expected=by_expected)
+            tasks = load_task_file(
+                config.rl.tasks_path,
+                scorer,
+                need_expected=by_expected,
+                private_fields=getattr(env, "private_task_fields", ()),
+            )
         self.groups = Groups(self.ctx, env, ExecutionStore(workdir / "executions"), tasks)
         held_out = held_out_tasks(config, env) if config.eval.every_steps else None
         self.evaluation = Evaluation(self.ctx, held_out)  # (a bad eval.* is one error line)

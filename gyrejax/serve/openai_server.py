@@ -31,7 +31,10 @@ client cannot create executions nobody will collect):
       flight are cancelled first, and the record is put in the `ExecutionStore` if the
       server has one, never over a stored record: if one appeared meanwhile, the answer
       is a 409 carrying this record under "execution" (nothing is lost or replaced).
-      The key is void from here on (401).
+      The key is void from here on (401). An execution the run opened for its own
+      agent (`open_execution(owned=True)`, `rl.agent = command`) is the run's: its
+      finish only ends the agent's requests and answers {"ended": true}; the run
+      scores and stores the record, whatever status or reward the agent sent.
   GET /v1/executions/{id} -> {"execution_id", "calls", "in_flight"}.
 
 Chat prompts come from a `ChatTemplate` (the byte layout by default). Assistant turns
@@ -119,6 +122,7 @@ class _Execution:
     requests: int = 0  # requests made (seeds the default sampling seed)
     in_flight: int = 0
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    owned: bool = False  # the run's own (open_execution(owned=True)): the run closes it
 
 
 def _digest(key: str) -> bytes:
@@ -267,8 +271,14 @@ class OpenAIServer(Site):
 
     # --- executions in process (the RL loop's external agents; the handlers too) -------------
 
-    def open_execution(self, execution_id: str, task_id: str = "", group_id: str = "") -> str:
+    def open_execution(
+        self, execution_id: str, task_id: str = "", group_id: str = "", owned: bool = False
+    ) -> str:
         """Opens an execution and returns its key (counted dispatched in the proxy).
+
+        `owned`: the caller (the run) closes it with `close_execution`. Its agent's
+        finish over HTTP then only ends its requests (the key is void from then on); its
+        record, status and reward stay the caller's, whatever the agent sends.
 
         Raises:
           HttpError: 409 if the id is open or already stored; 429 past
@@ -298,7 +308,7 @@ class OpenAIServer(Site):
                 "rate_limit_error",
             )
         key = secrets.token_urlsafe(32)
-        state = _Execution(execution_id, key, task_id=task_id, group_id=group_id)
+        state = _Execution(execution_id, key, task_id=task_id, group_id=group_id, owned=owned)
         state.idle.set()
         self._executions[execution_id] = state
         self._by_key[_digest(key)] = state
@@ -322,8 +332,7 @@ class OpenAIServer(Site):
             is not stored, it is on the error).
         """
         state = self._executions.pop(execution_id)
-        del self._by_key[_digest(state.key)]  # no new requests from here on
-        self.proxy.cancel_execution(execution_id)
+        self._end_requests(state)
         try:
             await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
         except TimeoutError:
@@ -348,6 +357,11 @@ class OpenAIServer(Site):
             except FileExistsError:
                 raise StoredMeanwhile(execution) from None
         return execution
+
+    def _end_requests(self, state: _Execution) -> None:
+        """Voids the execution's key (no new requests) and cancels those in flight."""
+        self._by_key.pop(_digest(state.key), None)
+        self.proxy.cancel_execution(state.execution_id)
 
     # --- executions over HTTP -------------------------------------------------------------
 
@@ -391,6 +405,11 @@ class OpenAIServer(Site):
                 "Authorization: execution key of a finished execution",
                 "authentication_error",
                 "Authorization",
+            )
+        if state.owned:  # the run's execution: the agent ends its turn, the run keeps the rest
+            self._end_requests(state)
+            return web.json_response(
+                {"execution_id": state.execution_id, "ended": True, "scored_by": "the run"}
             )
         try:
             execution = await self.close_execution(state.execution_id, status, reward, attempts)

@@ -16,7 +16,11 @@ moments) restores into float32 masters and moments with the same values.
 
 Checkpoints are read defensively (DESIGN.md, "Trust boundaries"): a checkpoint damaged
 on disk (array data cut short, metadata JSON cut short, a file gone) does not restore,
-so the newest *readable* one is used. Each unreadable newer one is named in a warning
+so the newest *readable* one is used. A failed read is retried (`RESTORE_ATTEMPTS`);
+only a checkpoint proven damaged (every attempt failing, by no I/O error) is passed
+over, so a storage hiccup costs a retry, never a checkpoint: one that keeps
+failing by an I/O error stops the restore with one `CheckpointError` line, nothing moved
+and nothing older used in its place. Each damaged newer one is named in a warning
 and moved aside to `<step>.corrupt-<time>` in the same directory: kept for inspection,
 never deleted, and no longer a step Orbax lists (a later save of that step is then a
 fresh one). When no checkpoint is readable nothing is moved, and one `CheckpointError`
@@ -57,8 +61,37 @@ from gyrejax.model.hf_io import CheckpointError
 
 # The checkpoint metadata's record of the tokenizer the weights were trained with.
 TOKENIZER_KEY = "tokenizer"
+# A restore that fails is tried this often, waiting RESTORE_RETRY_S x attempt between.
+RESTORE_ATTEMPTS = 3
+RESTORE_RETRY_S = 0.25
+# TensorStore's words for a failure of the storage, not of the bytes stored.
+_TRANSIENT_STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED")
 # Suffix of a checkpoint moved aside: `<step>.corrupt-<time>` is no step name to Orbax.
 CORRUPT_MARK = ".corrupt-"
+
+
+class _Corrupt(Exception):
+    """A checkpoint proven damaged (`why`: its failure's first line)."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+def _io_error(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is the storage failing rather than bad bytes:
+    an OSError other than a missing file, or a TensorStore status of that kind."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and not isinstance(
+            error, FileNotFoundError | NotADirectoryError | IsADirectoryError
+        ):
+            return True
+        if any(status in str(error) for status in _TRANSIENT_STATUS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -223,23 +256,58 @@ class TrainCheckpointer:
         steps = sorted(self.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
-        unreadable: list[tuple[int, str]] = []
+        corrupt: list[tuple[int, str]] = []
         for candidate in steps:
             try:
-                restored = self._restore_step(candidate, params_target, opt_state_target)
-            except Exception as e:  # data or metadata cut short, a file gone, ...
-                unreadable.append((candidate, _first_line(e)))
+                restored = self._read(candidate, params_target, opt_state_target)
+            except _Corrupt as e:
+                corrupt.append((candidate, e.why))
                 continue
-            for bad, why in unreadable:
+            for bad, why in corrupt:
                 self._move_aside(bad, why, candidate)
-            if unreadable:
+            if corrupt:
                 self._manager.reload()  # forget the steps moved aside
             return restored
-        reasons = "; ".join(f"step {s}: {why}" for s, why in unreadable)
+        reasons = "; ".join(f"step {s}: {why}" for s, why in corrupt)
         raise CheckpointError(
             f"no readable checkpoint under {self.directory} ({reasons}); nothing was moved: "
             "move the directory aside to start afresh"
         )
+
+    def _read(self, step: int, params_target, opt_state_target):
+        """One step restored, a failed read retried (`RESTORE_ATTEMPTS`, each retry in a
+        warning).
+
+        Raises:
+          _Corrupt: every attempt failed, by no I/O error: the bytes themselves are bad,
+            and the caller may fall back past them.
+          CheckpointError: the read kept failing, once or more by an I/O error: nothing
+            proves the checkpoint bad, so nothing is moved and no older one is used in
+            its place (that would drop its steps).
+        """
+        failures: list[Exception] = []
+        for attempt in range(1, RESTORE_ATTEMPTS + 1):
+            try:
+                return self._restore_step(step, params_target, opt_state_target)
+            except Exception as e:  # Orbax and TensorStore raise plain Exceptions
+                failures.append(e)
+                if attempt < RESTORE_ATTEMPTS:
+                    logging.warning(
+                        "checkpoint %s: read failed (%s), attempt %d of %d; retrying",
+                        self.step_path(step),
+                        _first_line(e),
+                        attempt,
+                        RESTORE_ATTEMPTS,
+                    )
+                    time.sleep(RESTORE_RETRY_S * attempt)
+        if not any(_io_error(e) for e in failures):
+            raise _Corrupt(_first_line(failures[-1]))
+        raise CheckpointError(
+            f"checkpoint {self.step_path(step)}: could not be read in {RESTORE_ATTEMPTS} "
+            f"attempts ({_first_line(failures[-1])}): an I/O error, which does not prove "
+            "it damaged, so nothing was moved and no older checkpoint was used; launch "
+            "again once the storage reads"
+        ) from failures[-1]
 
     def _move_aside(self, step: int, why: str, fallback: int) -> None:
         path = self.step_path(step)

@@ -38,7 +38,9 @@ class Environment(Protocol):
     """What the harness, the task draws and the warm start use of an environment.
 
     A task has at least `task_id` and `spec` (the text the agent is given); a score has
-    `reward` (in [0, 1]).
+    `reward` (in [0, 1]). An environment whose tasks come from task-file lines
+    (`task_from_dict`) names the lines' keys that locate a hidden task in
+    `private_task_fields`: the agent never sees them (`tasks.FileTask.public`).
     """
 
     name: str
@@ -47,7 +49,14 @@ class Environment(Protocol):
         """`n` distinct tasks, a function of (seed, difficulty) only."""
 
     def score(self, task: Any, workspace_root: Path | str) -> Any:
-        """Scores a workspace; raises `EvaluationError` if the evaluation cannot run."""
+        """Scores a workspace; raises `EvaluationError` if the evaluation cannot run.
+
+        The verifier's guarantee (the policy is an adversary, and learns whatever moves
+        its reward): the answers, and whatever they follow from, never enter a process
+        that runs or imports agent code; a process that does (a sandboxed checker)
+        reports observations only, and the verdict is computed outside it. So no file
+        the agent writes can pass a check except by doing what the check asks.
+        """
 
     def run_visible_checks(self, task: Any, workspace_root: Path | str) -> str:
         """The agent's `check` tool: the visible checks' results, as an observation."""

@@ -30,11 +30,20 @@ configured sandbox (bubblewrap where it works), so a module that loops or eats m
 fails its checks; only an evaluation that could not run at all raises
 `EvaluationError`.
 
+The verdict cannot be forged by the module (the `Environment` guarantee): the sandboxed
+checker process that imports it holds the hidden inputs but never the answers, and
+reports only what it observed (is the name callable, what did each input return). This
+process compares the returned values with the answers, and checks "defines" in the
+source itself (a top-level binding, parsed, never run). So whatever the module does to
+that process (call or patch its reporter, print look-alike lines, exit early, read its
+memory and files), a call passes only if its answer was produced.
+
 The agent acts by the harness's action syntax (`gyrejax.harness.actions`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -67,8 +76,14 @@ _FORMULAS = {
     "sub": ("x - {k}", lambda x, k: x - k),
     "mul": ("x * {k}", lambda x, k: x * k),
 }
+MAX_TASK_INDEX = 10_000  # a task line's index: drawing up to it takes about a second
 _TEXT_CHECK_BYTES = 1 << 16  # scoring reads at most this much of a file
 _SCORING_LIMITS = Limits(cpu_s=1.0, memory_bytes=256 << 20, wall_s=5.0, max_output_bytes=16 << 10)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 # --- tasks --------------------------------------------------------------------------------
 
@@ -235,6 +250,9 @@ class MiniRepoEnv:
     """
 
     name = "mini_repo"
+    # A task line's key that locates its hidden task (seed, difficulty, index): the
+    # answers follow from it, so the agent never sees it (tasks.FileTask.public).
+    private_task_fields = ("mini_repo",)
 
     def __init__(
         self, *, limits: Limits | None = None, fail_evaluations: int = 0, sandbox: str = "auto"
@@ -247,6 +265,7 @@ class MiniRepoEnv:
         self.limits = _SCORING_LIMITS if limits is None else limits
         self._fail_evaluations = fail_evaluations
         self._lock = threading.Lock()
+        self._drawn: dict[tuple[int, int], list[Task]] = {}  # task_from_dict's draws
 
     # Tasks.
 
@@ -297,12 +316,35 @@ class MiniRepoEnv:
 
     def task_from_dict(self, data: dict) -> Task:
         """The task a `task_line` names (drawn again: the hidden checks are never in the
-        file). Raises ValueError if the line's id is not the task drawn."""
-        where = data["mini_repo"]
-        index = where["index"]
-        task = self.sample_tasks(index + 1, seed=where["seed"], difficulty=where["difficulty"])[
-            index
-        ]
+        file). Draws are cached per (seed, difficulty), so a file costs one draw each.
+
+        Raises:
+          ValueError naming the field: "mini_repo" is not {"seed": int >= 0,
+            "difficulty": a level, "index": int in [0, MAX_TASK_INDEX)}, or the line's
+            id is not the task drawn.
+        """
+        where = data.get("mini_repo")
+        if not isinstance(where, dict):
+            raise ValueError(f'"mini_repo"={where!r}: expected {{"seed", "difficulty", "index"}}')
+        seed, level, index = (where.get(k) for k in ("seed", "difficulty", "index"))
+        for name, value, ok in (
+            ("seed", seed, _is_int(seed) and seed >= 0),
+            ("difficulty", level, _is_int(level) and level in LEVELS),
+            ("index", index, _is_int(index) and 0 <= index < MAX_TASK_INDEX),
+        ):
+            if not ok:
+                raise ValueError(
+                    f'"mini_repo"."{name}"={value!r}: expected '
+                    + {"seed": "an int >= 0", "difficulty": f"one of {LEVELS}"}.get(
+                        name, f"an int in [0, {MAX_TASK_INDEX})"
+                    )
+                )
+        with self._lock:
+            drawn = self._drawn.get((seed, level), [])
+            if len(drawn) <= index:  # a larger draw extends a smaller one
+                drawn = self.sample_tasks(index + 1, seed=seed, difficulty=level)
+                self._drawn[seed, level] = drawn
+        task = drawn[index]
         if task.task_id != data["id"]:
             raise ValueError(f"id {data['id']!r} is not the task drawn ({task.task_id!r})")
         return task
@@ -360,34 +402,40 @@ class MiniRepoEnv:
             if data is None:
                 results += [(c, False, "" if c.kind == "exists" else " (no file)") for c in checks]
             elif goal.function:
-                results += self._module_results(goal, checks, root)
+                results += self._module_results(goal, checks, root, data)
             else:
                 results += _text_results(data, checks)
         return results
 
     def _module_results(
-        self, goal: Goal, checks: list[Check], root: Path
+        self, goal: Goal, checks: list[Check], root: Path, source: bytes
     ) -> list[tuple[Check, bool, str]]:
+        """A module's checks. The sandboxed child imports the agent's module and reports
+        only what it observes: whether the name is callable and what it returned for
+        each hidden input. The expected answers never enter that process: this one
+        compares, so a module can score a call only by producing its right answer."""
         calls = [c for c in checks if c.kind == "call"]
-        nonce = secrets.token_hex(8)
+        nonce = secrets.token_hex(8)  # framing only: our reports apart from its prints
         script = _CHECKER.format(
             nonce=json.dumps(nonce),
             module=json.dumps(goal.path[: -len(".py")]),
             function=json.dumps(goal.function),
-            cases=json.dumps([[c.argument, c.expected] for c in calls]),
+            inputs=json.dumps([c.argument for c in calls]),
         )
         try:
             run = run_python(script, root, self.limits, sandbox=self.sandbox)
         except (SandboxError, ValueError) as e:
             raise EvaluationError(f"checker for {goal.path} could not start: {e}") from e
-        reports = {}
+        reports: dict[str, dict | None] = {}
         for line in run.stdout.splitlines():
-            if line.startswith(nonce + " "):
-                try:
-                    report = json.loads(line[len(nonce) + 1 :])
-                    reports[report["step"]] = report
-                except (ValueError, KeyError, TypeError) as e:
-                    raise EvaluationError(f"checker for {goal.path} wrote {line!r}") from e
+            if not line.startswith(nonce + " "):
+                continue
+            try:
+                report = json.loads(line[len(nonce) + 1 :])
+                step = str(report["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not a report of ours (the module can write to fd 1 too)
+            reports[step] = None if step in reports else report  # twice: believe neither
         if "start" not in reports:
             raise EvaluationError(
                 f"checker for {goal.path} produced no result: {run.summary()}; "
@@ -398,14 +446,11 @@ class MiniRepoEnv:
         for check in checks:
             if check.kind == "exists":
                 results.append((check, True, ""))
-                continue
-            key = "defines" if check.kind == "defines" else f"call{calls.index(check)}"
-            report = reports.get(key)
-            if report is None:
-                results.append((check, False, ended or " (not reached)"))
+            elif check.kind == "defines":
+                results.append(_defines_result(check, source, reports.get("defines"), ended))
             else:
-                note = "" if report["ok"] else f" (got {report['got']})"
-                results.append((check, bool(report["ok"]), note))
+                report = reports.get(f"call{calls.index(check)}")
+                results.append(_call_result(check, report, ended))
         return results
 
     # Demonstrations.
@@ -476,9 +521,57 @@ def _text_results(data: bytes, checks: list[Check]) -> list[tuple[Check, bool, s
     return results
 
 
-# Runs in the sandbox with cwd = the workspace. Everything the checker needs is imported
-# before the workspace goes on sys.path, so a workspace file cannot shadow it; reports go
-# straight to fd 1 with a nonce, and the module's own prints are discarded.
+def _defines_result(check: Check, source: bytes, report, ended: str) -> tuple[Check, bool, str]:
+    """`defines`: the source binds the name at top level (read here, never run) and
+    the child found it callable."""
+    if not _binds(source, str(check.expected)):
+        return check, False, f" (no top-level {check.expected} in the source)"
+    if not isinstance(report, dict):
+        return check, False, ended or " (not reached)"
+    ok = report.get("callable") is True
+    return check, ok, "" if ok else f" (got {_shown(report.get('got'))})"
+
+
+def _call_result(check: Check, report, ended: str) -> tuple[Check, bool, str]:
+    """A call: the value the child saw returned, compared here with the answer."""
+    if not isinstance(report, dict):
+        return check, False, ended or " (not reached)"
+    value = report.get("value")
+    ok = type(value) is int and value == check.expected
+    return check, ok, "" if ok else f" (got {_shown(report.get('got'))})"
+
+
+def _binds(source: bytes, name: str) -> bool:
+    """Whether `source` binds `name` at module level (def, assignment or import)."""
+    try:
+        tree = ast.parse(source.decode("utf-8"))
+    except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, MemoryError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound = [node.name]
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound = [t.id for t in targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound = [(a.asname or a.name).split(".")[0] for a in node.names]
+        else:
+            continue
+        if name in bound:
+            return True
+    return False
+
+
+def _shown(text) -> str:
+    text = str(text)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# Runs in the sandbox with cwd = the workspace. It holds the hidden inputs but never the
+# answers (the caller compares), so nothing in this process is worth forging. Everything
+# it needs is imported before the workspace goes on sys.path, so a workspace file cannot
+# shadow it; reports go straight to fd 1 with a nonce, the module's own prints are
+# discarded.
 _CHECKER = """\
 import json, os, sys
 
@@ -501,21 +594,21 @@ sys.path.insert(0, os.getcwd())
 try:
     module = __import__({module})
     function = getattr(module, {function}, None)
-    report("defines", ok=callable(function), got="not defined" if function is None else
-           "not a function")
+    report("defines", callable=callable(function),
+           got="not defined" if function is None else "not a function")
 except BaseException as e:
-    report("defines", ok=False, got="import failed: " + type(e).__name__)
+    report("defines", callable=False, got="import failed: " + type(e).__name__)
     function = None
-if callable(function):
-    for i, (x, want) in enumerate({cases}):
-        try:
-            got = function(x)
-            report("call%d" % i, ok=type(got) is int and got == want, got=shown(got))
-        except BaseException as e:
-            report("call%d" % i, ok=False, got="raised " + type(e).__name__)
-else:
-    for i, _ in enumerate({cases}):
-        report("call%d" % i, ok=False, got="no function")
+for i, x in enumerate({inputs}):
+    if not callable(function):
+        report("call%d" % i, got="no function")
+        continue
+    try:
+        got = function(x)
+        exact = type(got) is int and -(1 << 62) < got < (1 << 62)
+        report("call%d" % i, value=int(got) if exact else None, got=shown(got))
+    except BaseException as e:
+        report("call%d" % i, got="raised " + type(e).__name__)
 report("end")
 """
 
