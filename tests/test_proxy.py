@@ -214,6 +214,28 @@ def test_weights_published_mid_flight_version_every_token(model):
     assert len(calls[0].versions) == len(calls[0].output_ids) == len(calls[0].logprobs)
 
 
+def test_cancelling_an_execution_spares_one_whose_id_it_prefixes():
+    # The audit: finishing "team" cancelled the calls of "team/worker" (a prefix match).
+    async def body():
+        engine = ScriptedEngine("e", lambda prompt, request: [1, 2], delay_s=0.5)
+        proxy = Proxy([engine])
+        for execution_id in ("team", "team/worker"):
+            proxy.dispatch(execution_id)
+        sampling = SamplingParams(max_new_tokens=2)
+        calls = [
+            asyncio.ensure_future(proxy.generate(x, "main", "main", PROMPT, sampling))
+            for x in ("team", "team/worker")
+        ]
+        await asyncio.sleep(0.1)
+        proxy.cancel_execution("team")
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await shutdown(proxy)
+        return [getattr(r, "finish_reason", type(r).__name__) for r in results]
+
+    team, worker = asyncio.run(body())
+    assert team == "cancelled" and worker != "cancelled", (team, worker)
+
+
 def test_a_call_its_caller_gives_up_is_cancelled_on_the_engine():
     """A harness timeout cancels the awaiting call. The engine must drop the request too:
     the proxy forgets it at once, so a request left running is one a drain never waits

@@ -185,10 +185,10 @@ class Proxy:
         return list(self._calls.get(execution_id, ()))
 
     def cancel_execution(self, execution_id: str) -> None:
-        """Ends every in-flight request of an execution (e.g. on its timeout)."""
-        prefix = f"{execution_id}/"
+        """Ends every in-flight request of an execution (e.g. on its timeout): its own
+        only, matched exactly (execution "team" is not "team/worker")."""
         for request_id, name in list(self._requests.items()):
-            if request_id.startswith(prefix) and name in self._engines:
+            if request_id.rsplit("/", 1)[0] == execution_id and name in self._engines:
                 self._engines[name].engine.cancel(request_id)
 
     async def generate(
