@@ -425,6 +425,35 @@ def test_concurrent_executions_stay_separate_and_finish_cancels_in_flight():
     assert (counters.dispatched, counters.finished) == (3, 3)
 
 
+def test_a_request_whose_body_arrives_after_finish_is_refused_not_served():
+    # The audit: authenticated on its headers before finish, its body sent after; it was
+    # served, and its call orphaned in the proxy (never in any record).
+    async def body():
+        async with serving(scripted({("d", "main"): ["late"]})) as (_, proxy, http):
+            key = await start(http, "d")
+            sent_headers, go = asyncio.Event(), asyncio.Event()
+
+            async def slow_body():
+                yield b'{"messages": '
+                sent_headers.set()
+                await go.wait()
+                yield json.dumps(OPENING).encode() + b"}"
+
+            request = asyncio.create_task(
+                http.post("/v1/chat/completions", headers=bearer(key), content=slow_body())
+            )
+            await sent_headers.wait()
+            await asyncio.sleep(0.2)  # the server has the headers: authenticated
+            finished = await finish(http, "d", key)
+            go.set()
+            late = await request
+            return finished, late, proxy.counters()
+
+    finished, late, counters = asyncio.run(body())
+    assert late.status_code == 401 and "finished while this request" in late.text
+    assert finished.calls == () and counters.in_flight["scripted"] == 0
+
+
 # --- keys, and stored records never replaced -------------------------------------------------
 
 

@@ -123,6 +123,7 @@ class _Execution:
     in_flight: int = 0
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     owned: bool = False  # the run's own (open_execution(owned=True)): the run closes it
+    ended: bool = False  # finished: a request authenticated before is refused, not served
 
 
 def _digest(key: str) -> bytes:
@@ -360,6 +361,7 @@ class OpenAIServer(Site):
 
     def _end_requests(self, state: _Execution) -> None:
         """Voids the execution's key (no new requests) and cancels those in flight."""
+        state.ended = True
         self._by_key.pop(_digest(state.key), None)
         self.proxy.cancel_execution(state.execution_id)
 
@@ -594,6 +596,14 @@ class OpenAIServer(Site):
 
     async def _generate(self, state: _Execution, agent_id: str, role: str, prompt, sampling):
         """One recorded call; engine trouble is a 503 (the proxy already retried)."""
+        if state.ended:  # authenticated before its execution finished, its body read after
+            raise HttpError(
+                401,
+                "Authorization: the execution finished while this request was read; it is "
+                "not served",
+                "authentication_error",
+                "Authorization",
+            )
         state.in_flight += 1
         state.idle.clear()
         try:
