@@ -1,7 +1,7 @@
 """Learning benchmark: does RL beat doing nothing on held-out tasks?
 
   python benchmarks/learning_bench.py --out DIR [--warm WARM] [--seeds 3] [--steps 40]
-      [--eval_every 20] [--num_tasks 16] [--samples 4] [--flags=--config.x=y ...]
+      [--eval_every 20] [--num_tasks 16] [--samples 4] [--config.x=y ...]
 
 The main job's config (configs/tiny_cpu.py), two arms from one warm start, `--seeds`
 seeds each (`config.seed`: the RL tasks drawn, the sampling, the admission):
@@ -175,8 +175,11 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=20)
     parser.add_argument("--num_tasks", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--flags", nargs="*", default=[], help="more --config.x=y overrides")
-    args = parser.parse_args()
+    args, flags = parser.parse_known_args()  # the rest: --config.x=y, to every run
+    unknown = [f for f in flags if not f.startswith("--config.")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (only --config.x=y pass on)")
+    args.flags = flags
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     warm = warm_start(out, args.warm)

@@ -195,3 +195,33 @@ class HoldAfterTokens:
 
     def release(self) -> None:
         self._released.set()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 256 KiB tmpfs mounted for the test (a disk that fills on purpose); needs root,
+    which CI has. Yields (its path, fill(): takes every free byte, free(): gives them
+    back)."""
+    root = tmp_path / "small"
+    root.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    filler = root / "filler"
+
+    def fill():
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: full
+            pass
+        finally:
+            os.close(fd)
+
+    try:
+        yield root, fill, lambda: filler.unlink(missing_ok=True)
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)

@@ -450,8 +450,43 @@ def test_a_request_whose_body_arrives_after_finish_is_refused_not_served():
             return finished, late, proxy.counters()
 
     finished, late, counters = asyncio.run(body())
-    assert late.status_code == 401 and "finished while this request" in late.text
+    assert late.status_code == 401 and "finished (or is finishing) while this" in late.text
     assert finished.calls == () and counters.in_flight["scripted"] == 0
+
+
+def test_a_full_disk_loses_no_finished_execution(small_filesystem):
+    # The audit: finish answered 500 without storing the record, and its retry got 401
+    # (the key already void). Now: 507 with the record, the key still valid, and the
+    # same finish retried stores it once the disk has room.
+    root, fill, free = small_filesystem
+    store = ExecutionStore(root / "store")
+
+    async def body():
+        answers = {("e", "main"): ["wrote it"]}
+        async with serving(scripted(answers), store=store) as (_, _, http):
+            key = await start(http, "e")
+            r = await http.post(
+                "/v1/chat/completions", headers=bearer(key), json={"messages": OPENING}
+            )
+            assert r.status_code == 200, r.text
+            fill()
+            full = await http.post("/v1/executions/e/finish", headers=bearer(key), json={})
+            refused = await http.post(
+                "/v1/chat/completions", headers=bearer(key), json={"messages": OPENING}
+            )
+            free()
+            stored = await finish(http, "e", key, status="timed_out")  # a retry: the first record
+            again = await http.post("/v1/executions/e/finish", headers=bearer(key), json={})
+            return full, refused, stored, again
+
+    full, refused, stored, again = asyncio.run(body())
+    assert full.status_code == 507 and "could not be stored" in full.text
+    assert "No space left on device" in full.json()["error"]["message"]
+    kept = execution_from_json(full.json()["execution"])
+    assert refused.status_code == 401  # no model calls once finishing
+    assert without_times(stored.calls) == without_times(kept.calls) and len(kept.calls) == 1
+    assert stored.status == "finished"  # the record as first made
+    assert store.get("e") == stored and again.status_code == 401  # stored: key void now
 
 
 # --- keys, and stored records never replaced -------------------------------------------------

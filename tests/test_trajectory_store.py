@@ -1,6 +1,7 @@
 """ExecutionStore: round trips, corruption detection, crash safety under SIGKILL, and
 validation of every field on put and on read."""
 
+import asyncio
 import dataclasses
 import hashlib
 import itertools
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gyrejax.loop.groups import store_until_stored
 from gyrejax.trajectory import Execution, ExecutionStore, ModelCall, generate_executions
 from gyrejax.trajectory.records import validate_record
 from gyrejax.trajectory.store import MAGIC, CorruptRecordError
@@ -426,3 +428,29 @@ def test_no_header_field_value_crashes_a_reader(tmp_path_factory, field, call, v
         assert list(reader.bad_records) == [str(path)]
     assert all(isinstance(g, str) for g in ids)
     assert sum(len(v) for v in grouped.values()) + len(skipped) <= len(exs)
+
+
+def test_a_run_waits_out_a_full_disk_and_stores_every_execution(small_filesystem, caplog):
+    # The run's own writes (loop/groups.py): a failed write is retried until the disk
+    # has room, the record kept in memory meanwhile; nothing is lost or half-written.
+    root, fill, free = small_filesystem
+    store = ExecutionStore(root / "store")
+    executions = generate_executions(1, 3, seed=4)
+    executions = [dataclasses.replace(e, calls=e.calls[:2]) for e in executions]  # it fits
+    fill()
+
+    async def body():
+        writes = [asyncio.create_task(store_until_stored(store, e, 0.05)) for e in executions]
+        await asyncio.sleep(0.3)
+        waiting = sum(not w.done() for w in writes)
+        free()
+        await asyncio.wait_for(asyncio.gather(*writes), 10)
+        return waiting
+
+    with caplog.at_level(logging.WARNING):
+        waiting = asyncio.run(body())
+    assert waiting == 3
+    for execution in executions:
+        assert store.get(execution.execution_id) == execution
+    assert "No space left on device" in caplog.text and "stored at try" in caplog.text
+    assert not [p for p in (root / "store").iterdir() if p.name.startswith(".tmp-")]

@@ -6,8 +6,10 @@ seeded by seq; or from `rl.tasks_path`, seeded by seq, or under `scheduler.dispa
 executions through the harness (or the external agents), with the rollout weights of the
 moment (`dispatch.jsonl`). Every execution is stored as soon as it ends (`workdir/executions`;
 `executions.jsonl` logs when, for calibration); a group whose executions all ended is
-ready for training. After a restart, groups dispatched before it are ready again (unless
-trained before the checkpoint) and only their missing executions run again.
+ready for training. A store write that fails (a full disk) is retried until it succeeds,
+the record kept in memory meanwhile: the group waits, nothing is lost. After a restart,
+groups dispatched before it are ready again (unless trained before the checkpoint) and
+only their missing executions run again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,31 @@ from gyrejax.logs import append_jsonl, prepare_for_append
 from gyrejax.loop.context import RunContext
 from gyrejax.scheduler.driver import GenerationShare, dispatch_block, dispatch_permutation
 from gyrejax.trajectory import Execution, ExecutionStore
+
+STORE_RETRY_MAX_S = 30.0  # the longest wait between two tries of a failed store write
+
+
+async def store_until_stored(
+    store: ExecutionStore, execution: Execution, first_wait_s: float = 0.5
+) -> None:
+    """Stores `execution` (off the event loop), retrying an OSError (ENOSPC, EIO, ...)
+    with a growing wait until it succeeds; each failure is a warning naming it."""
+    wait, attempt = first_wait_s, 1
+    while True:
+        try:
+            await asyncio.to_thread(store.put, execution, overwrite=True)
+            if attempt > 1:
+                logging.warning("execution %s stored at try %d", execution.execution_id, attempt)
+            return
+        except OSError as e:
+            logging.warning(
+                "execution %s: store write failed (%s); kept in memory, trying again in %.1f s",
+                execution.execution_id,
+                e,
+                wait,
+            )
+        await asyncio.sleep(wait)
+        wait, attempt = min(2 * wait, STORE_RETRY_MAX_S), attempt + 1
 
 
 @dataclasses.dataclass
@@ -139,7 +166,7 @@ class Groups:
             execution = await self.harness.run_execution(
                 group.task, execution_id, group.group_id, seed
             )
-            self.store.put(execution, overwrite=True)  # persisted as soon as it ends
+            await store_until_stored(self.store, execution)  # persisted as soon as it ends
             group.executions[execution_id] = execution
             record = {"execution": execution_id, "group": group.group_id, "started_s": started}
             record.update(finished_s=self.ctx.now(), status=execution.status)

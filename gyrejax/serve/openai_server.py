@@ -31,7 +31,9 @@ client cannot create executions nobody will collect):
       flight are cancelled first, and the record is put in the `ExecutionStore` if the
       server has one, never over a stored record: if one appeared meanwhile, the answer
       is a 409 carrying this record under "execution" (nothing is lost or replaced).
-      The key is void from here on (401). An execution the run opened for its own
+      If the store cannot write it (a full disk), the answer is a 507 carrying it, and
+      the execution stays open with that record: the same finish, sent again, retries
+      the write. Once stored, the key is void (401). An execution the run opened for its own
       agent (`open_execution(owned=True)`, `rl.agent = command`) is the run's: its
       finish only ends the agent's requests and answers {"ended": true}; the run
       scores and stores the record, whatever status or reward the agent sent.
@@ -110,6 +112,15 @@ class StoredMeanwhile(FileExistsError):
         self.execution = execution
 
 
+class NotStored(OSError):
+    """The store could not write a finished execution's record (`execution`, kept: the
+    execution stays open and a finish tries again)."""
+
+    def __init__(self, execution: Execution, error: OSError):
+        super().__init__(error.errno, f"execution {execution.execution_id!r} not stored: {error}")
+        self.execution = execution
+
+
 @dataclasses.dataclass
 class _Execution:
     """Server-side state of one execution."""
@@ -124,6 +135,8 @@ class _Execution:
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     owned: bool = False  # the run's own (open_execution(owned=True)): the run closes it
     ended: bool = False  # finished: a request authenticated before is refused, not served
+    record: Execution | None = None  # made at the first finish; kept until stored
+    closing: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 def _digest(key: str) -> bytes:
@@ -324,40 +337,62 @@ class OpenAIServer(Site):
         eval_attempts: int = 0,
         error: str = "",
     ) -> Execution:
-        """Ends an open execution: voids its key, cancels its requests in flight, returns
-        its record and stores it (if the server has a store; never over a stored one).
+        """Ends an open execution: cancels its requests in flight, stores its record (if
+        the server has a store; never over a stored one), then voids its key and
+        returns the record.
+
+        A store write that fails (a full disk) keeps the execution open with its record
+        as first made: its key stays valid for another finish, which tries the write
+        again (model calls stay refused). So nothing is lost and the client is told.
 
         Raises:
           KeyError: no open execution has this id.
           StoredMeanwhile: a record with this id was stored meanwhile (kept; this one
             is not stored, it is on the error).
+          NotStored: the store write failed (the record is on the error, and kept).
         """
-        state = self._executions.pop(execution_id)
+        state = self._executions[execution_id]
+        async with state.closing:  # one finish at a time; a retry reuses the record
+            if self._executions.get(execution_id) is not state:
+                raise KeyError(execution_id)  # finished by the finish we waited for
+            if state.record is None:
+                state.ended = True  # no new model calls; the key still finishes
+                self.proxy.cancel_execution(execution_id)
+                try:
+                    await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
+                except TimeoutError:
+                    logging.warning(
+                        "execution %s: %d requests still in flight at finish",
+                        execution_id,
+                        state.in_flight,
+                    )
+                state.record = Execution(
+                    execution_id=execution_id,
+                    task_id=state.task_id,
+                    group_id=state.group_id,
+                    calls=self.proxy.finish(execution_id),
+                    status=status,
+                    reward=reward,
+                    eval_attempts=eval_attempts,
+                    error=error,
+                )
+            execution = state.record
+            if self.store is not None:  # durable before we answer: a crash loses nothing
+                try:  # never over a stored record (put refuses atomically)
+                    await asyncio.to_thread(self.store.put, execution)
+                except FileExistsError:
+                    self._forget(state)
+                    raise StoredMeanwhile(execution) from None
+                except OSError as e:
+                    logging.error("execution %s: not stored (%s); kept open", execution_id, e)
+                    raise NotStored(execution, e) from e
+            self._forget(state)
+            return execution
+
+    def _forget(self, state: _Execution) -> None:
+        """The execution is closed: out of the open ones, its key void."""
+        self._executions.pop(state.execution_id, None)
         self._end_requests(state)
-        try:
-            await asyncio.wait_for(state.idle.wait(), self.finish_timeout_s)
-        except TimeoutError:
-            logging.warning(
-                "execution %s: %d requests still in flight at finish",
-                execution_id,
-                state.in_flight,
-            )
-        execution = Execution(
-            execution_id=execution_id,
-            task_id=state.task_id,
-            group_id=state.group_id,
-            calls=self.proxy.finish(execution_id),
-            status=status,
-            reward=reward,
-            eval_attempts=eval_attempts,
-            error=error,
-        )
-        if self.store is not None:  # durable before we answer: a crash loses nothing
-            try:  # never over a stored record (put refuses atomically)
-                await asyncio.to_thread(self.store.put, execution)
-            except FileExistsError:
-                raise StoredMeanwhile(execution) from None
-        return execution
 
     def _end_requests(self, state: _Execution) -> None:
         """Voids the execution's key (no new requests) and cancels those in flight."""
@@ -415,6 +450,22 @@ class OpenAIServer(Site):
             )
         try:
             execution = await self.close_execution(state.execution_id, status, reward, attempts)
+        except KeyError:  # another finish of it ended it while this one waited
+            raise HttpError(
+                401,
+                "Authorization: execution key of a finished execution",
+                "authentication_error",
+                "Authorization",
+            ) from None
+        except NotStored as e:
+            raise HttpError(
+                507,
+                f"the record of execution {state.execution_id!r} could not be stored "
+                f"({e.strerror or e}); it is kept and the execution stays open: send "
+                "finish again (same key) once the store has room",
+                "server_error",
+                extra={"execution": wire.execution_to_json(e.execution)},
+            ) from None
         except StoredMeanwhile as e:
             logging.error(
                 "execution %s: a record with this id was stored while it ran; the "
@@ -599,8 +650,8 @@ class OpenAIServer(Site):
         if state.ended:  # authenticated before its execution finished, its body read after
             raise HttpError(
                 401,
-                "Authorization: the execution finished while this request was read; it is "
-                "not served",
+                "Authorization: the execution finished (or is finishing) while this "
+                "request was read; it is not served",
                 "authentication_error",
                 "Authorization",
             )
