@@ -59,9 +59,11 @@ def device_memory(devices: Sequence[jax.Device]) -> tuple[str, list[int | None]]
     live, views, shards = jax.live_arrays(), set(), []
     for array in live:
         try:  # a running step may donate (delete) an array meanwhile: it holds nothing
+            if array.is_deleted():
+                continue
             held = [(s.device, s.data) for s in array.addressable_shards]
-        except RuntimeError:
-            continue
+        except (RuntimeError, TypeError):  # deleted between the check and the read: jax
+            continue  # raises RuntimeError, or TypeError once its buffer list is gone
         views.update(id(data) for _, data in held if data is not array)
         shards.append((array, held))
     used = dict.fromkeys(devices, 0)
