@@ -66,13 +66,15 @@ def launch(workdir: Path, flags: list[str], log: Path) -> None:
         subprocess.run(command + flags, stdout=out, stderr=subprocess.STDOUT, check=True)
 
 
-def warm_start(out: Path, given: str | None) -> Path:
+def warm_start(out: Path, given: str | None, flags: list[str]) -> Path:
+    """The warm start every run copies: `given`, else made in OUT/warm under the same
+    --config.x=y flags as the runs (so a changed warm start is the one they resume)."""
     if given:
         return Path(given)
     warm = out / "warm"
-    if not (warm / "run_summary.json").exists():
+    if not (warm / "rollout_summary.json").exists():  # what a train.steps=0 run ends with
         print("warm start ->", warm, flush=True)
-        launch(warm, ["--config.train.steps=0"], out / "warm.log")
+        launch(warm, [*flags, "--config.train.steps=0"], out / "warm.log")
     return warm
 
 
@@ -182,7 +184,7 @@ def main() -> None:
     args.flags = flags
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    warm = warm_start(out, args.warm)
+    warm = warm_start(out, args.warm, args.flags)
     runs = {
         (arm, seed): run_arm(out, warm, arm, seed, args)
         for seed in range(args.seeds)

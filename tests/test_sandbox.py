@@ -1,11 +1,14 @@
 """Sandbox: limited child processes; every runaway is killed or refused, never hangs;
 under bubblewrap, every escape the audit found (issue 15, finding 5) meets the kernel."""
 
+import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,15 +37,27 @@ MODES = ["python_guard", pytest.param("bwrap", marks=needs_bwrap)]
 
 
 @pytest.fixture
-def ws(tmp_path):
-    workspace = tmp_path / "ws"
+def base():
+    """The test's directory, open to every user (under /tmp, not pytest's 0700 tree): a
+    root caller's sandbox runs as uid 65534, which sees a closed ancestor only as an
+    empty tmpfs. Here `outside` stays visible, so each test meets the guard and the
+    kernel as it should."""
+    directory = Path(tempfile.mkdtemp(prefix="gyrejax-sandbox-test-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def ws(base):
+    workspace = base / "ws"
     workspace.mkdir()
     return workspace
 
 
 @pytest.fixture
-def outside(tmp_path):
-    directory = tmp_path / "outside"
+def outside(base):
+    directory = base / "outside"
     directory.mkdir()
     (directory / "keep.txt").write_text("keep")
     return directory
@@ -294,8 +309,12 @@ def test_libc_system_cannot_write_outside(ws, outside):
     result = escape(script, ws)
     assert result.ok, result.stderr
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
-    if os.geteuid() == 0:  # the shell did run (for others RLIMIT_NPROC=0 stops the fork)
-        assert (ws / "by_shell.txt").read_text() == "ok\n"
+    # No shell ran at all: agent code is uid 65534 under bubblewrap for every caller
+    # (root included), whose RLIMIT_NPROC = 0 holds: the spawn fails, and glibc's
+    # system() answers 127 << 8 (the shell "could not run"; -1 elsewhere).
+    words = result.stdout.split()
+    assert words[::2] == ["outside", "inside"] and {*words[1::2]} <= {"32512", "-1"}, words
+    assert not (ws / "by_shell.txt").exists()
 
 
 @needs_bwrap
@@ -331,32 +350,34 @@ def test_a_setsid_child_does_not_outlive_the_run(ws, ending):
     left = pids_running(marker)
     for pid in left:  # only a failing run leaves one; do not leave it behind
         os.kill(pid, signal.SIGKILL)
-    if os.geteuid() == 0:  # (others cannot fork at all: RLIMIT_NPROC=0)
-        assert "child running: True" in result.stdout, result
+    # Agent code is uid 65534 with RLIMIT_NPROC = 0 for every caller, so the fork itself
+    # fails; the PID namespace would end a child that got through (the audit's setsid).
+    assert "child running: False" in result.stdout, result
     assert result.timed_out == (ending == "wall_clock")
     assert left == []
 
 
 @needs_bwrap
 def test_a_symlink_swapped_between_check_and_open_cannot_redirect_a_write(ws, outside):
-    if os.geteuid() != 0:
-        pytest.skip("RLIMIT_NPROC=0 forbids threads for non-root callers: no race to run")
     target = outside / "keep.txt"
-    # A thread flips `link` between a file inside and one outside while the main thread
-    # opens it for writing: the guard checks the path, then the open follows whatever
-    # the link is by then. The audit got out in 170 tries. (The flips go through libc:
-    # the guard refuses to rename a link that points outside.)
-    script = libc_prelude() + (
-        "import os, threading, time\n"
-        "open('inside.txt', 'w').close()\n"
-        "os.symlink('inside.txt', 'link')\n"
-        "stop = False\n"
-        "def flip():\n"
-        "    while not stop:\n"
-        f"        for destination in ({str(target).encode()!r}, b'inside.txt'):\n"
-        "            libc.symlink(destination, b'new')\n"
-        "            libc.rename(b'new', b'link')\n"
-        "threading.Thread(target=flip, daemon=True).start()\n"
+    # `link` flips between a file inside and one outside while the script opens it for
+    # writing: the guard checks the path, then the open follows whatever the link is by
+    # then. The audit got out in 170 tries, flipping from a thread of its own; agent code
+    # can start no thread now (uid 65534, RLIMIT_NPROC = 0), so the flipper here is this
+    # process, as a second agent sharing the workspace would be.
+    (ws / "inside.txt").touch()
+    (ws / "link").symlink_to("inside.txt")
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            for destination in (str(target), "inside.txt"):
+                with contextlib.suppress(FileNotFoundError, FileExistsError):
+                    os.symlink(destination, ws / "new")
+                    os.rename(ws / "new", ws / "link")
+
+    script = (
+        "import time\n"
         "tries, escaped, end = 0, False, time.monotonic() + 1.5\n"
         "while time.monotonic() < end and not escaped:\n"
         "    tries += 1\n"
@@ -366,14 +387,54 @@ def test_a_symlink_swapped_between_check_and_open_cannot_redirect_a_write(ws, ou
         "    except OSError:\n"  # the guard's PermissionError, or the kernel's EROFS
         "        pass\n"
         f"    escaped = open({str(target)!r}).read() == 'pwned'\n"
-        "stop = True\n"
         "print(tries, escaped)\n"
     )
-    result = escape(script, ws, RACE)
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    try:
+        result = escape(script, ws, RACE)
+    finally:
+        stop.set()
+        flipper.join()
     assert result.ok, result.stderr
     tries, escaped = result.stdout.split()
     assert escaped == "False" and target.read_text() == "keep", f"out after {tries} tries"
     assert int(tries) >= 200, "too few tries for the race to mean anything"
+
+
+@needs_bwrap
+def test_a_root_callers_agent_code_is_an_unprivileged_user_on_the_host(ws, outside):
+    # The audit, as root: agent code was uid 0 outside (root-only files readable, 24
+    # processes past the per-process memory limit). Now it is uid 65534 on the host.
+    if os.geteuid() != 0:
+        pytest.skip("the caller is not root: agent code was never uid 0 outside")
+    secret = outside / "root_only.txt"
+    secret.write_text("secret")
+    secret.chmod(0o600)
+    script = libc_prelude() + (
+        "import os, threading\n"
+        "print(os.getuid(), os.getgid(), os.getgroups())\n"
+        "try:\n"
+        f"    print(open({str(secret)!r}).read())\n"
+        "except PermissionError as e:\n"
+        "    print('read refused', e.errno)\n"
+        "print('system', libc.system(b'true'))\n"  # past the guard; RLIMIT_NPROC holds
+        "try:\n"
+        "    threading.Thread(target=print).start()\n"
+        "except RuntimeError:\n"
+        "    print('no thread')\n"
+        "open('mine.txt', 'w').write('x')\n"
+    )
+    result = escape(script, ws)
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == [
+        "65534 65534 []",
+        "read refused 13",
+        "system 32512",
+        "no thread",
+    ]
+    mine = (ws / "mine.txt").stat()
+    assert (mine.st_uid, mine.st_gid) == (65534, 65534)  # as the host sees it
 
 
 @needs_bwrap
@@ -508,8 +569,9 @@ def test_kernel_settings_refuse_their_own_value_written_back(ws):
     lines = [line.split() for line in result.stdout.splitlines()]
     assert [line[0] for line in lines] == KERNEL_FILES
     for path, opened, wrote, errno in lines:
-        # Refused at open: read-only (EROFS 30), or absent here (ENOENT 2).
-        assert (opened, wrote, errno in ("30", "2")) == ("False", "0", True), (path, errno)
+        # Refused at open: not uid 65534's to write (EACCES 13: a root caller's sandbox
+        # runs as it), read-only (EROFS 30), or absent here (ENOENT 2).
+        assert (opened, wrote, errno in ("13", "30", "2")) == ("False", "0", True), (path, errno)
     assert {p: Path(p).read_bytes() for p in before} == before
 
 

@@ -63,12 +63,20 @@ the caller's user read are permitted; there is no disk quota beyond the per-file
 (many files can fill the workspace's disk); when the caller is root, RLIMIT_NPROC is not
 enforced (bubblewrap's PID namespace still ends every process with the run).
 
-Running as root. bubblewrap maps the sandbox's user to the caller's: with a root caller,
-agent code has no capabilities, but the kernel still sees uid 0 as the owner of
-root-owned files. So it can read files only root may read, and connect to a unix socket
-root owns wherever one is visible (a read-only mount does not stop a connect; `/run` is
-hidden for that reason, sockets elsewhere are not). For a boundary against that too, run
-the harness as an unprivileged user.
+Running as root. A user namespace made by root maps the sandbox's user to uid 0 outside,
+where the kernel would let it read root-only files, connect to root's unix sockets and
+escape RLIMIT_NPROC. So under a root caller bubblewrap makes no user namespace: it sets
+up the mounts and namespaces with root's rights, and `setpriv` (util-linux) then drops
+to the host's uid and gid 65534 with no groups, no capabilities (bounding set empty) and
+no_new_privs, just before Python starts. Agent code is then an ordinary unprivileged
+user: root-only files and sockets are closed to it, `/proc/sys` is not its to write
+(EACCES before EROFS), and RLIMIT_NPROC = 0 holds, so it can start neither processes nor
+threads. The workspace tree is given to uid 65534 (`lchown`) before each run. Directories
+on the way to the interpreter or the workspace that uid 65534 may not enter (pyenv under
+/root, mode 0700; pytest's temp tree) are covered by an empty read-only tmpfs with just
+those two bound back. What this leaves: a user namespace of its own, as any local user
+may make one (bubblewrap's `--disable-userns` needs a user namespace of ours).
+Workspace bytes and inodes are bounded only by the per-file size limit.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -97,9 +106,12 @@ _SAFE_PATH = "/usr/bin:/bin"
 # Once the script has exited, how long to keep reading output that something else in its
 # process group may still be writing before the group is killed.
 _DRAIN_AFTER_EXIT_S = 0.25
-# The uid and gid agent code has inside bubblewrap's user namespace ("nobody"): not 0, so
-# it holds no capabilities there even when the caller is root. Outside it is the caller.
+# The uid and gid agent code runs as ("nobody"). For an unprivileged caller it is the id
+# inside bubblewrap's user namespace (outside it is the caller). For a root caller it is
+# the host's own uid 65534: bubblewrap then makes no user namespace (its mapping would
+# make agent code uid 0 outside) and `setpriv` drops to it, with no capabilities.
 _SANDBOX_ID = "65534"
+_SETPRIV = "setpriv"
 # How long to wait for the kernel to empty a killed sandbox's PID namespace.
 _TEARDOWN_S = 5.0
 _PROBE_TIMEOUT_S = 20.0
@@ -225,6 +237,10 @@ def _probe_bwrap(path: str) -> str | None:
         return f"bubblewrap {path!r} is not an executable file"
     with tempfile.TemporaryDirectory(prefix="gyrejax-bwrap-probe-") as scratch:
         root = Path(os.path.realpath(scratch))
+        if os.geteuid() == 0:
+            if shutil.which(_SETPRIV, path=_SAFE_PATH) is None:
+                return f"running as root needs {_SETPRIV} (util-linux) to drop to uid 65534"
+            _give_to_sandbox(root)
         argv = [
             *_bwrap_argv(path, root, info_fd=None),
             sys.executable, "-I", "-S", "-c", "open('probe', 'w').write('ok')",
@@ -258,15 +274,26 @@ def _can_disable_userns(bwrap: str) -> bool:
 
 def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
     """bubblewrap's command line for a sandbox whose only writable place is `root`."""
+    as_root = os.geteuid() == 0
+    if as_root:  # host uid 65534 (setpriv, after the mounts): no user namespace to map
+        identity = []
+    else:  # own user namespace as "nobody" with no capabilities
+        identity = [
+            "--unshare-user", "--uid", _SANDBOX_ID, "--gid", _SANDBOX_ID, "--cap-drop", "ALL",
+            *(["--disable-userns"] if _can_disable_userns(bwrap) else []),
+        ]  # fmt: skip
+    # Under root, the directories uid 65534 cannot enter on the way to the interpreter
+    # and the workspace (e.g. /root, mode 0700, holding pyenv) are covered by an empty,
+    # read-only tmpfs with just those two bound back: the rest of them stays unseen.
+    hidden = _closed_ancestors([Path(sys.base_prefix), root]) if as_root else []
     argv = [
         bwrap,
-        # Own user namespace as "nobody" with no capabilities; own PIDs (the harness and
-        # every other process are invisible, and all ours die with the namespace's init),
-        # own network (a loopback only), IPC, hostname, cgroup view.
-        "--unshare-user", "--uid", _SANDBOX_ID, "--gid", _SANDBOX_ID,
+        *identity,
+        # Own PIDs (the harness and every other process are invisible, and all ours die
+        # with the namespace's init), own network (a loopback only), IPC, hostname,
+        # cgroup view.
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup-try", "--cap-drop", "ALL", "--hostname", "sandbox",
-        *(["--disable-userns"] if _can_disable_userns(bwrap) else []),
+        "--unshare-cgroup-try", "--hostname", "sandbox",
         # Nothing outlives the run: killed with its parent; no controlling terminal.
         "--die-with-parent", "--new-session",
         # The system read-only; a minimal /dev (null, zero, urandom, ...); a /proc of its
@@ -278,7 +305,11 @@ def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/run",
+        *[arg for path in hidden for arg in ("--tmpfs", str(path))],
+        *_open_directories(hidden, [Path(sys.base_prefix), root]),
+        *(["--ro-bind", sys.base_prefix, sys.base_prefix] if hidden else []),
         "--bind", str(root), str(root),
+        *[arg for path in hidden for arg in ("--remount-ro", str(path))],
         # /proc read-only as a whole: bubblewrap covers /proc/sys and /proc/sysrq-trigger
         # only where the sandbox user cannot already write them, and under a root caller
         # it can (the kernel sees uid 0), so a sysctl such as kernel.core_pattern would
@@ -288,7 +319,50 @@ def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
     ]  # fmt: skip
     if info_fd is not None:  # bwrap writes {"child-pid": <its init, our pid space>, ...}
         argv += ["--info-fd", str(info_fd)]
-    return [*argv, "--"]
+    argv.append("--")
+    if as_root:  # the last step before Python: uid/gid 65534, no groups, no capabilities
+        argv += [
+            _SETPRIV, f"--reuid={_SANDBOX_ID}", f"--regid={_SANDBOX_ID}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+        ]  # fmt: skip
+    return argv
+
+
+def _closed_ancestors(paths: list[Path]) -> list[Path]:
+    """For each path, its outermost ancestor that uid 65534 may not enter (no o+x), if
+    any; each once, outermost first."""
+    closed: list[Path] = []
+    for path in paths:
+        for ancestor in reversed(path.parents):
+            if ancestor == Path("/"):
+                continue
+            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                if not any(ancestor == c or c in ancestor.parents for c in closed):
+                    closed.append(ancestor)
+                break
+    return sorted(closed, key=lambda p: len(p.parts))
+
+
+def _open_directories(hidden: list[Path], targets: list[Path]) -> list[str]:
+    """bubblewrap arguments making the directories between a hidden tmpfs and a path
+    bound below it enterable (mode 0755; bubblewrap's own are 0700, which uid 65534
+    could not pass)."""
+    args: list[str] = []
+    for target in targets:
+        for parent in reversed(target.parents):
+            if any(h in parent.parents for h in hidden):
+                args += ["--perms", "0755", "--dir", str(parent)]
+    return args
+
+
+def _give_to_sandbox(root: Path) -> None:
+    """Under a root caller: the workspace tree owned by uid 65534, so agent code (which
+    runs as it) can write there; links are changed, never followed."""
+    uid = gid = int(_SANDBOX_ID)
+    os.lchown(root, uid, gid)
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.lchown(os.path.join(directory, name), uid, gid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,6 +683,8 @@ def run_python(
     pass_fds = [script_fd]
     info_read = info_write = None
     if choice.used == "bwrap":
+        if os.geteuid() == 0:
+            _give_to_sandbox(root)
         info_read, info_write = os.pipe()
         args = _bwrap_argv(choice.bwrap, root, info_write) + args
         pass_fds.append(info_write)
