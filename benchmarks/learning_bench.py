@@ -20,11 +20,15 @@ every hidden check), sampled reward, the share of sampled executions that left a
 workspace, and the mean reward of those that produced something. The goal (issue 39):
 RL's held-out sampled pass@1 above the control's with non-overlapping intervals.
 
-The warm start (`--warm`, else made in OUT/warm: `launch ... --config.train.steps=0`,
-about 6 minutes) is copied into every run (its demonstrations/ and warmup/), so every
-run starts from the same weights. A run whose run_summary.json exists is not run again:
-the benchmark resumes. Each run takes about the main job's RL time (4 minutes on 2
-cores) plus its evaluations. Writes OUT/learning.json and OUT/learning.png.
+Every --config.x=y argument goes to every run and to the warm start, e.g. the
+generalising warm start configs/tiny_cpu.py describes: --config.harness.task_pool=0
+--config.warmup.demonstrations=8192 --config.warmup.steps=1000 (and
+--config.train.learning_rate=... for the RL arm's rate). The warm start (`--warm`, else
+made in OUT/warm: `launch ... --config.train.steps=0`, about 6 minutes with the main
+job's settings, 18 with those) is copied into every run (its demonstrations/ and
+warmup/), so every run starts from the same weights. A run whose run_summary.json
+exists is not run again: the benchmark resumes. Each run takes about the main job's
+RL time (4 minutes on 2 cores) plus its evaluations. Writes OUT/learning.json and OUT/learning.png.
 """
 
 from __future__ import annotations
