@@ -11,6 +11,7 @@ from gyrejax.config import HarnessConfig
 from gyrejax.harness import tokenizer as tok
 from gyrejax.harness.agent import SUB_SYSTEM, Harness
 from gyrejax.harness.envs.mini_repo import MiniRepoEnv
+from gyrejax.harness.workspace import Workspace
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.trajectory import build_tree
@@ -203,3 +204,43 @@ def _run_state(execution_id: str, calls: int):
     from gyrejax.harness.agent import _Run
 
     return _Run(execution_id, task=None, workspace=None, seed=0, calls=calls)
+
+
+def test_workspace_tools_run_off_the_event_loop(tmp_path, monkeypatch):
+    # The audit: 52,108 files made every `ls` take 0.45 s on the loop every execution
+    # shares. A slow filesystem (each workspace call here takes 0.3 s) must not stall it.
+    task, writes = two_file_task()
+    slow_s = 0.3
+
+    def slowly(method):
+        def call(*args, **kwargs):
+            time.sleep(slow_s)
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("write", "read", "list_files", "is_empty"):
+        monkeypatch.setattr(Workspace, name, slowly(getattr(Workspace, name)))
+    scripts = {"x": {"main": [writes[0], "ls", "done"]}}
+
+    async def body():
+        proxy = Proxy([scripted_engine(scripts)])
+        harness = Harness(proxy, CONFIG, tmp_path, environment=MiniRepoEnv())
+        ticks, gaps = [], []
+
+        async def ticker():
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - before)
+                ticks.append(1)
+
+        beat = asyncio.create_task(ticker())
+        execution = await harness.run_execution(task, "x", "g", seed=0)
+        beat.cancel()
+        return execution, gaps
+
+    execution, gaps = asyncio.run(body())
+    assert execution.status == "finished" and len(execution.calls) == 3
+    assert len(gaps) > 3 * slow_s / 0.02  # it kept beating through three slow calls
+    assert max(gaps) < slow_s / 2, max(gaps)

@@ -215,13 +215,13 @@ class Harness:
         """Runs a workspace or environment tool; any exception becomes an observation."""
         await asyncio.sleep(self._tool_latency_s(run))
         ws = run.workspace
-        try:
+        try:  # workspace I/O off the event loop: a workspace of many files is slow
             if action.kind == "write":
-                return ws.write(action.path, action.content)
+                return await asyncio.to_thread(ws.write, action.path, action.content)
             if action.kind == "read":
-                return ws.read(action.path)
+                return await asyncio.to_thread(ws.read, action.path)
             if action.kind == "ls":
-                return ws.list_files()
+                return await asyncio.to_thread(ws.list_files)
             if action.kind == "check":
                 return await asyncio.to_thread(self.env.run_visible_checks, run.task, ws.root)
             return f"error: {action.kind} is not available here"
@@ -252,7 +252,7 @@ async def score_workspace(
     """(reward, status, attempts) of a finished workspace by the environment's hidden
     checks: an empty one is `no_artifact`; an evaluation that errors is retried up to
     `retry_budget` times, then `eval_failed`. Shared by the built-in and external agents."""
-    if workspace.is_empty():
+    if await asyncio.to_thread(workspace.is_empty):
         return 0.0, "no_artifact", 0
     attempts = 0
     while True:
