@@ -131,15 +131,15 @@ def main(argv: list[str]) -> None:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     except ValueError as e:
         sys.exit(f"gyrejax.launch: {e}")
-    from gyrejax.workdir_lock import WorkdirBusy, hold
-
-    try:  # before anything reads or writes the workdir
-        hold(_WORKDIR.value, jax.process_index())
-    except WorkdirBusy as e:
-        sys.exit(f"gyrejax.launch: {e}")
     try:  # every process's devices: the cells are split over all of them
         preflight.check_devices(config, jax.device_count(), jax.devices()[0].platform)
     except ConfigError as e:
+        sys.exit(f"gyrejax.launch: {e}")
+    from gyrejax.workdir_lock import WorkdirBusy, hold
+
+    try:  # once the config is known good (a config error leaves no workdir behind), and
+        hold(_WORKDIR.value, jax.process_index())  # before the run reads or writes it
+    except WorkdirBusy as e:
         sys.exit(f"gyrejax.launch: {e}")
 
     from gyrejax.model.hf_io import CheckpointError
