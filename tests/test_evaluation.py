@@ -1,7 +1,8 @@
 """Held-out evaluation: pass@k against a brute-force count over subsets, the report's
 figures by hand, and the RL loop's evaluations (gyrejax/loop/evaluation.py) end to end on
 the tiny smoke config: eval.jsonl at the right steps with sane figures, in the metrics,
-the summary and a plot, and not one evaluation execution ever trained."""
+the summary and a plot, and not one evaluation execution ever trained (`check_evaluations`,
+run on test_runtime.py's colocate run, which carries the evaluation)."""
 
 import dataclasses
 import itertools
@@ -10,14 +11,11 @@ import types
 
 import numpy as np
 import pytest
-from conftest import load_config_file, read_jsonl
+from conftest import read_jsonl
 
-from gyrejax.cells import split_into_cells
-from gyrejax.config import from_dict
 from gyrejax.evaluation import TaskResult, pass_at_k, report, task_family
 from gyrejax.loop import Runtime
 from gyrejax.loop.evaluation import Evaluation
-from gyrejax.model.transformer import init_model
 from gyrejax.scheduler.policies import Role
 from gyrejax.trajectory import ExecutionStore
 
@@ -119,14 +117,15 @@ def test_colocate_moves_to_training_wait_for_a_running_evaluation():
     assert evaluation.allowed(back, [T, T], external=False) == back
 
 
-def test_evaluations_run_at_their_steps_in_the_metrics_and_are_never_trained(tmp_path):
-    c = load_config_file("tiny_cpu", "smoke")
-    c.cells.size, c.cells.fsdp = 4, 4  # two cells
-    c.scheduler.policy = "colocate"  # no rollout cell while it trains: the hard case
-    c.train.steps = 2
+def with_evaluations(c) -> None:
+    """Held-out evaluation after every step, 2 tasks, 1 greedy + 2 sampled each: what
+    `check_evaluations` expects. test_runtime.py's colocate run (no rollout cell while
+    it trains: the hard case) carries it, so the suite runs one RL run, not two."""
     c.eval.every_steps, c.eval.num_tasks, c.eval.samples_per_task = 1, 2, 2
-    config = from_dict(c)
-    runtime = Runtime(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
+
+
+def record_trained_ids(runtime: Runtime) -> list[str]:
+    """The execution ids every train step of `runtime` is given, appended as it runs."""
     trained_ids = []
     train_step = runtime.trainer.train_step
 
@@ -135,8 +134,13 @@ def test_evaluations_run_at_their_steps_in_the_metrics_and_are_never_trained(tmp
         return train_step(batch)
 
     runtime.trainer.train_step = recording_train_step
-    summary = runtime.run()
+    return trained_ids
 
+
+def check_evaluations(tmp_path, runtime: Runtime, summary: dict, trained_ids: list[str]):
+    """Evaluations ran at their steps, are in the metrics, summary and plot, and none of
+    their executions was stored, logged as a group's or trained."""
+    config = runtime.config
     evals = read_jsonl(tmp_path / "eval.jsonl")
     assert [e["step"] for e in evals] == [1, 2] and [e["version"] for e in evals] == [1, 2]
     tasks = [t.task.task_id for t in runtime.evaluation.tasks]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import ENGINE_TOKEN, REPO_ROOT, load_config_file, read_jsonl, start_engine_server
 from flax import nnx
+from test_evaluation import check_evaluations, record_trained_ids, with_evaluations
 from test_trajectory_store import rewrite_header, set_field
 
 from gyrejax.cells import split_into_cells
@@ -45,11 +46,14 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     if policy == "colocate":  # row buckets (issue 18): contexts longer than row_length
         c.train.row_length = 128  # a call is ~100 or ~250 tokens, max_seq_len 640
         c.train.row_lengths = (640,)
+        with_evaluations(c)  # and held-out evaluation (test_evaluation.py checks it)
     config = from_dict(c)
-    summary = Runtime(
-        config, split_into_cells(config.cells), init_model(config.model), tmp_path
-    ).run()
+    runtime = Runtime(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
+    trained_ids = record_trained_ids(runtime)
+    summary = runtime.run()
     assert summary["steps"] == 2 and summary["policy"] == policy
+    if policy == "colocate":
+        check_evaluations(tmp_path, runtime, summary, trained_ids)
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2]
     lengths = {length for s in steps for _, length in s["shapes"]}  # the rows trained
