@@ -516,8 +516,9 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_readable_one(
     assert checkpointer.all_steps() == [1, 2, 3] and aside.exists()
 
 
-def test_a_storage_error_is_retried_and_never_moves_a_good_checkpoint(tmp_path, monkeypatch):
-    # The audit's loss: one I/O error on the newest checkpoint moved it aside for good.
+def two_checkpoints(tmp_path):
+    """A trainer after two steps, each checkpointed under tmp_path/ck (keep 3); returns
+    (the core cell, the checkpoint config, the trainer)."""
     core = cells()[0]
     config = CheckpointConfig(every_steps=1, keep=3)
     trainer = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
@@ -526,6 +527,12 @@ def test_a_storage_error_is_retried_and_never_moves_a_good_checkpoint(tmp_path, 
         trainer.train_step(b)
         trainer.save(checkpointer)
     checkpointer.close()
+    return core, config, trainer
+
+
+def test_a_storage_error_is_retried_and_never_moves_a_good_checkpoint(tmp_path, monkeypatch):
+    # The audit's loss: one I/O error on the newest checkpoint moved it aside for good.
+    core, config, trainer = two_checkpoints(tmp_path)
     saved = params_np(trainer)
     before = sorted(p.name for p in (tmp_path / "ck").iterdir())
     read = TrainCheckpointer._restore_step
@@ -553,14 +560,7 @@ def test_a_storage_error_is_retried_and_never_moves_a_good_checkpoint(tmp_path, 
 
 
 def test_no_readable_checkpoint_is_one_clear_error_and_nothing_is_moved(tmp_path):
-    core = cells()[0]
-    config = CheckpointConfig(every_steps=1, keep=3)
-    trainer = ElasticTrainer(init_model(MODEL), core, rl=RLConfig(), train=TRAIN)
-    checkpointer = TrainCheckpointer(tmp_path / "ck", config)
-    for b in [make_batch(4), make_batch(5)]:
-        trainer.train_step(b)
-        trainer.save(checkpointer)
-    checkpointer.close()
+    core, config, _ = two_checkpoints(tmp_path)
     damage_checkpoint(tmp_path / "ck" / "2", "data")
     damage_checkpoint(tmp_path / "ck" / "1", "metadata")
     before = sorted(p.name for p in (tmp_path / "ck").iterdir())
