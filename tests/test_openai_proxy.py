@@ -28,7 +28,7 @@ from gyrejax.rollout.jax_engine import JaxEngine
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
 from gyrejax.rollout.types import SamplingParams
-from gyrejax.serve.openai_server import OpenAIServer
+from gyrejax.serve.openai_server import OpenAIServer, prompt_body_bytes
 from gyrejax.serve.wire import execution_from_json
 from gyrejax.trajectory import Execution, ExecutionStore, build_tree
 
@@ -487,6 +487,39 @@ def test_a_full_disk_loses_no_finished_execution(small_filesystem):
     assert without_times(stored.calls) == without_times(kept.calls) and len(kept.calls) == 1
     assert stored.status == "finished"  # the record as first made
     assert store.get("e") == stored and again.status_code == 401  # stored: key void now
+
+
+def test_a_prompt_past_the_token_limit_is_refused_and_a_huge_body_is_never_read():
+    # The audit: two 60 MiB prompts took 2.26 GB and blocked /health for 5 s. The body
+    # limit now follows from max_prompt_tokens, and a prompt past it is a 400.
+    async def body():
+        answers = {("p", "main"): ["ok"]}
+        async with serving(scripted(answers), max_prompt_tokens=64) as (_, proxy, http):
+            key = await start(http, "p")
+            ids = await http.post(
+                "/v1/completions", headers=bearer(key),
+                json={"model": "m", "prompt": list(range(1, 66)), "max_tokens": 2},
+            )  # fmt: skip
+            chat = await http.post(
+                "/v1/chat/completions", headers=bearer(key),
+                json={"messages": [{"role": "user", "content": "x" * 200}]},
+            )  # fmt: skip
+            huge = await http.post(
+                "/v1/completions", headers=bearer(key),
+                content=b'{"prompt": "' + b"x" * prompt_body_bytes(64) + b'"}',
+            )  # fmt: skip
+            fits = await http.post(
+                "/v1/completions", headers=bearer(key),
+                json={"model": "m", "prompt": list(range(1, 65)), "max_tokens": 2},
+            )  # fmt: skip
+            return ids, chat, huge, fits, len(proxy.calls("p"))
+
+    ids, chat, huge, fits, recorded = asyncio.run(body())
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
+    assert "the prompt is 65 tokens; this server takes at most 64" in ids.text
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert huge.status_code == 413  # refused by its Content-Length, before reading it
+    assert fits.status_code == 200 and recorded == 1  # only the call that fits
 
 
 # --- keys, and stored records never replaced -------------------------------------------------

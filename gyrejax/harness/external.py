@@ -197,6 +197,7 @@ async def start_command_agents(
         model_name=model_name,
         default_max_tokens=config.harness.max_new_tokens,
         max_open_executions=max(256, 2 * config.rl.group_size * config.rl.groups_per_step),
+        max_prompt_tokens=config.rollout.max_seq_len,  # no engine takes a longer one
     )
     url = await door.start("127.0.0.1", 0)
     return CommandAgents(

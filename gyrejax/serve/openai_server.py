@@ -15,6 +15,9 @@ Authentication (`gyrejax.serve.http` adds the body, header and connection limits
     needs it (`Authorization: Bearer <execution key>`, what an OpenAI client sends as
     its api_key), else 401. /v1/models takes either key; /health none.
   * at most `max_open_executions` are open at once (429 past it).
+  * a call's prompt is at most `max_prompt_tokens` tokens (400 naming the field); the
+    completions' body limit follows from it (`prompt_body_bytes`: 413 by its
+    Content-Length, before a byte is read or parsed).
 
 Lifecycle of an execution (explicit, so the scheduler's counters stay true and a stray
 client cannot create executions nobody will collect):
@@ -103,6 +106,17 @@ AGENT_HEADER = "X-Gyrejax-Agent"
 ROLE_HEADER = "X-Gyrejax-Role"
 
 
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20  # a million-token context, the longest we train
+
+
+def prompt_body_bytes(max_prompt_tokens: int) -> int:
+    """The body limit of a completions request whose prompt may be `max_prompt_tokens`
+    long: 16 bytes a token (a token id with its JSON separator is at most 8; text a
+    token at most a few bytes, escaped at most 6 times) plus 1 MiB for the rest (tool
+    schemas, sampling fields)."""
+    return 16 * max_prompt_tokens + (1 << 20)
+
+
 class StoredMeanwhile(FileExistsError):
     """A record with this execution's id was stored while it ran: the stored one is
     kept; `execution` is this one, not stored."""
@@ -157,6 +171,10 @@ class OpenAIServer(Site):
       default_max_tokens: max_tokens when a request gives none.
       finish_timeout_s: how long finish waits for cancelled requests to end.
       max_open_executions: executions open at once (429 past it).
+      max_prompt_tokens: the longest prompt one call may have, in tokens (400 past it,
+        naming the field). The completions' body limit follows from it
+        (`prompt_body_bytes`), so an oversized request is refused before it is read,
+        never parsed or tokenized on the event loop.
       limits: connection, header and body limits.
       insecure_no_auth: anyone may create executions (loopback only); execution keys
         are still required for everything else.
@@ -176,6 +194,7 @@ class OpenAIServer(Site):
         default_max_tokens: int = 256,
         finish_timeout_s: float = 30.0,
         max_open_executions: int = 256,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         limits: Limits | None = None,
         insecure_no_auth: bool = False,
     ):
@@ -188,6 +207,9 @@ class OpenAIServer(Site):
             )
         if max_open_executions < 1:
             raise ValueError(f"max_open_executions={max_open_executions}: expected >= 1")
+        if max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens}: expected >= 1")
+        self.max_prompt_tokens = max_prompt_tokens
         self._api_key = None if api_key is None else check_secret(api_key, "admin key")
         self.proxy = proxy
         self.template = template if template is not None else ByteChatTemplate()
@@ -198,7 +220,8 @@ class OpenAIServer(Site):
         self.max_open_executions = max_open_executions
         self._executions: dict[str, _Execution] = {}  # by id
         self._by_key: dict[bytes, _Execution] = {}  # by _digest(key)
-        control, data = self.limits.control_body_bytes, self.limits.data_body_bytes
+        control = self.limits.control_body_bytes
+        data = min(self.limits.data_body_bytes, prompt_body_bytes(max_prompt_tokens))
         routes = [
             ("GET", "/health", self._health, lambda _: None, None),
             ("GET", "/v1/models", self._models, self._any_key, None),
@@ -496,7 +519,7 @@ class OpenAIServer(Site):
         want_logprobs = bool(body.get("logprobs") or False)
         sampling = self._sampling(body, state)
         generated = [state.turns.lookup(m) for m in messages]
-        prompt = self.template.render(messages, tools, generated)
+        prompt = self._within_limit(self.template.render(messages, tools, generated), "messages")
         completion = await self._generate(state, agent_id, role, prompt, sampling)
 
         text = self.template.decode(completion.output_ids)
@@ -589,6 +612,16 @@ class OpenAIServer(Site):
             ids = wire.token_ids(value, "prompt", self.template.vocab_size).tolist()
         if not ids:
             raise FieldError("prompt", "empty; expected at least one token")
+        return self._within_limit(ids, "prompt")
+
+    def _within_limit(self, ids: list[int], field: str) -> list[int]:
+        """`ids` if at most `max_prompt_tokens` long (FieldError naming `field` if not)."""
+        if len(ids) > self.max_prompt_tokens:
+            raise FieldError(
+                field,
+                f"the prompt is {len(ids)} tokens; this server takes at most "
+                f"{self.max_prompt_tokens} per call (--max_prompt_tokens)",
+            )
         return ids
 
     def _sampling(
@@ -766,6 +799,11 @@ def define_flags() -> None:
         "keys are still required.",
     )
     flags.DEFINE_integer("max_open_executions", 256, "Executions open at once (429 past it).")
+    flags.DEFINE_integer(
+        "max_prompt_tokens",
+        DEFAULT_MAX_PROMPT_TOKENS,
+        "Longest prompt of one call, in tokens (400 past it; the body limit follows).",
+    )
     define_limit_flags()
 
 
@@ -805,6 +843,7 @@ async def serve_forever(api_key: str | None) -> None:
         store=store,
         default_max_tokens=FLAGS.default_max_tokens,
         max_open_executions=FLAGS.max_open_executions,
+        max_prompt_tokens=FLAGS.max_prompt_tokens,
         limits=limits_from_flags(),
         insecure_no_auth=api_key is None,
     )
