@@ -413,3 +413,45 @@ def test_every_malformed_door_request_is_a_400_never_a_500():
     answers, alive = asyncio.run(go())
     assert_no_500(answers)
     assert alive.status_code == 200
+
+
+def test_keyless_connections_idle_out_and_are_capped_per_client():
+    # The audit: 64 idle keep-alive connections with no key took every slot (503 for
+    # everyone, still after 12 s). A connection no request authenticated on is closed
+    # soon after its request, and one address may hold only so many of them.
+    limits = Limits(
+        header_timeout_s=5.0, unauthenticated_idle_s=0.5, max_unauthenticated_per_client=3
+    )
+
+    async def get(reader, writer, path, headers=""):
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        return head.split(b" ")[1]
+
+    async def go():
+        async with engine_server(limits) as (server, url):
+            host, port = host_port(url)
+            keyless = await asyncio.open_connection(host, port)
+            keyed = await asyncio.open_connection(host, port)
+            auth = f"Authorization: Bearer {ENGINE_TOKEN}\r\n"
+            statuses = [
+                await get(*keyless, "/v1/engine/status"),  # 401: no key
+                await get(*keyed, "/v1/engine/status", auth),
+            ]
+            silent = [await asyncio.open_connection(host, port) for _ in range(2)]
+            await asyncio.sleep(0.1)  # keyless + 2 silent: the address's 3
+            over = await asyncio.open_connection(host, port)
+            refused = await asyncio.wait_for(over[0].read(4096), timeout=5)
+            await asyncio.sleep(1.0)  # past unauthenticated_idle_s
+            keyless_closed = await asyncio.wait_for(keyless[0].read(1), timeout=5) == b""
+            still = await get(*keyed, "/v1/engine/status", auth)  # kept alive: it has a key
+            for _, writer in [keyless, keyed, over, *silent]:
+                writer.close()
+            return statuses, refused, keyless_closed, still, server.connections
+
+    statuses, refused, keyless_closed, still, stats = asyncio.run(go())
+    assert statuses == [b"401", b"200"] and still == b"200"
+    assert refused.startswith(b"HTTP/1.1 503") and stats.refused == 1
+    assert keyless_closed and stats.idle_closed == 1

@@ -56,6 +56,7 @@ from gyrejax.serve.http import (
     define_limit_flags,
     limits_from_flags,
     matches_digest,
+    no_auth,
     secret_from_flags,
     token_digest,
 )
@@ -111,7 +112,7 @@ class EngineServer(Site):
         control, data = self.limits.control_body_bytes, self.limits.data_body_bytes
         auth = self._authenticate
         routes = [
-            ("GET", "/health", self._health, lambda _: None, None),
+            ("GET", "/health", self._health, no_auth, None),
             ("GET", f"{PREFIX}/status", self._status, auth, None),
             ("POST", f"{PREFIX}/submit", self._submit, auth, data),
             ("POST", f"{PREFIX}/import", self._submit, auth, data),

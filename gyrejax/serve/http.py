@@ -15,7 +15,12 @@ here, once:
   * Connections: a new connection, or one that starts sending a request, must deliver
     the whole request head within `Limits.header_timeout_s` or it is closed (slowloris);
     idle keep-alive connections close after `keepalive_timeout_s`; past
-    `max_connections` a new connection gets a 503 and is closed. Header size is bounded
+    `max_connections` a new connection gets a 503 and is closed. A connection counts as
+    unauthenticated until a request on it passes an endpoint's credential check (not
+    /health): each peer address may hold at most `max_unauthenticated_per_client` of
+    those (past it, a 503 and close), and one goes idle for at most
+    `unauthenticated_idle_s` after a request before it is closed, so keyless clients
+    cannot sit on every slot. Header size is bounded
     by aiohttp's parser limits (`max_line_size`, `max_field_size`, `max_headers`).
   * Failures become JSON answers in the OpenAI error envelope: `HttpError` carries a
     status, `FieldError` is a 400, anything unexpected is a logged 500 (never a dead
@@ -30,6 +35,7 @@ digest alone, which lets nobody in.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import hmac
@@ -71,6 +77,9 @@ class Limits:
       lingering_s: how long a refused request's unread body is drained (and discarded)
         before the connection closes, so the client reads the answer rather than a reset.
       max_connections: open connections at once; past it new ones get a 503 and close.
+      max_unauthenticated_per_client: connections one peer address may hold before any
+        request on them authenticated; past it new ones get a 503 and close.
+      unauthenticated_idle_s: how long such a connection may idle after a request.
       control_body_bytes, data_body_bytes: the two body limits endpoints choose from.
       max_line_size, max_field_size, max_headers: aiohttp's request head limits.
       backlog: the listen queue (connections the kernel holds before accept).
@@ -81,6 +90,8 @@ class Limits:
     keepalive_timeout_s: float = 75.0
     lingering_s: float = 2.0
     max_connections: int = 512
+    max_unauthenticated_per_client: int = 256  # half the connection limit
+    unauthenticated_idle_s: float = 2.0
     control_body_bytes: int = CONTROL_BODY_BYTES
     data_body_bytes: int = DATA_BODY_BYTES
     max_line_size: int = 8190
@@ -89,10 +100,15 @@ class Limits:
     backlog: int = 128
 
     def __post_init__(self):
-        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+        for name in (
+            "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "unauthenticated_idle_s"
+        ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"Limits.{name}={getattr(self, name)!r}: expected > 0")
-        for name in ("max_connections", "control_body_bytes", "data_body_bytes", "backlog"):
+        for name in (
+            "max_connections", "max_unauthenticated_per_client", "control_body_bytes",
+            "data_body_bytes", "backlog",
+        ):  # fmt: skip
             if not getattr(self, name) >= 1:
                 raise ValueError(f"Limits.{name}={getattr(self, name)!r}: expected >= 1")
 
@@ -303,6 +319,8 @@ class ConnectionStats:
         self.open = 0
         self.refused = 0
         self.header_timeouts = 0
+        self.unauthenticated: collections.Counter = collections.Counter()  # by peer address
+        self.idle_closed = 0  # unauthenticated connections closed for idling
 
 
 class _GuardedProtocol(asyncio.Protocol):
@@ -323,15 +341,24 @@ class _GuardedProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
         self.busy = False  # a request's handler is running
+        self.authenticated = False  # a request on it passed a credential check
+        self._peer: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._stats.open >= self._limits.max_connections:
+        peer = transport.get_extra_info("peername")
+        self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        if (
+            self._stats.open >= self._limits.max_connections
+            or self._stats.unauthenticated[self._peer]
+            >= self._limits.max_unauthenticated_per_client
+        ):
             self._refused = True
             self._stats.refused += 1
             transport.write(_REFUSAL)
             transport.close()
             return
         self._stats.open += 1
+        self._stats.unauthenticated[self._peer] += 1
         self._transport = transport
         self._inner.connection_made(transport)
         self._arm()
@@ -350,6 +377,8 @@ class _GuardedProtocol(asyncio.Protocol):
         if self._refused:
             return
         self._stats.open -= 1
+        if not self.authenticated:
+            self._drop_unauthenticated()
         self.disarm()
         self._inner.connection_lost(exc)
 
@@ -367,6 +396,27 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def request_finished(self) -> None:
         self.busy = False
+        if not self.authenticated and self._transport is not None:  # no keep-alive for it
+            self.disarm()
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._limits.unauthenticated_idle_s, self._idle_out)
+
+    def mark_authenticated(self) -> None:
+        if not self.authenticated:
+            self.authenticated = True
+            self._drop_unauthenticated()
+
+    def _drop_unauthenticated(self) -> None:
+        self._stats.unauthenticated[self._peer] -= 1
+        if self._stats.unauthenticated[self._peer] <= 0:
+            del self._stats.unauthenticated[self._peer]
+
+    def _idle_out(self) -> None:
+        self._timer = None
+        if self.busy or self._transport is None or self.authenticated:
+            return
+        self._stats.idle_closed += 1
+        self._transport.close()
 
     def _arm(self) -> None:
         loop = asyncio.get_running_loop()
@@ -432,6 +482,10 @@ Handler = Callable[[web.Request, dict, Any], Awaitable[web.StreamResponse]]
 Auth = Callable[[web.Request], Any]
 
 
+def no_auth(_: web.Request) -> None:
+    """The `auth` of a public endpoint (/health): it authenticates nobody."""
+
+
 class Site:
     """An aiohttp app with the guards above, started on the running event loop (the
     servers' base).
@@ -469,6 +523,10 @@ class Site:
 
         async def endpoint(request: web.Request) -> web.StreamResponse:
             caller = auth(request)
+            if auth is not no_auth:  # its credential passed: the connection is trusted
+                guard = request.transport.get_protocol() if request.transport else None
+                if isinstance(guard, _GuardedProtocol):
+                    guard.mark_authenticated()
             body = {}
             if max_body_bytes is not None:
                 raw = await read_body(request, max_body_bytes, self.limits.body_timeout_s)
@@ -536,6 +594,11 @@ def define_limit_flags() -> None:
     flags.DEFINE_integer(
         "max_connections", default.max_connections, "Open connections at once (503 past it)."
     )
+    flags.DEFINE_integer(
+        "max_unauthenticated_per_client",
+        default.max_unauthenticated_per_client,
+        "Connections one address may hold before one of its requests authenticated.",
+    )
 
 
 def limits_from_flags() -> Limits:
@@ -546,4 +609,5 @@ def limits_from_flags() -> Limits:
         header_timeout_s=f.header_timeout_s,
         body_timeout_s=f.body_timeout_s,
         max_connections=f.max_connections,
+        max_unauthenticated_per_client=f.max_unauthenticated_per_client,
     )

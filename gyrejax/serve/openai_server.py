@@ -95,6 +95,7 @@ from gyrejax.serve.http import (
     check_secret,
     define_limit_flags,
     limits_from_flags,
+    no_auth,
     same_token,
     secret_from_flags,
 )
@@ -223,7 +224,7 @@ class OpenAIServer(Site):
         control = self.limits.control_body_bytes
         data = min(self.limits.data_body_bytes, prompt_body_bytes(max_prompt_tokens))
         routes = [
-            ("GET", "/health", self._health, lambda _: None, None),
+            ("GET", "/health", self._health, no_auth, None),
             ("GET", "/v1/models", self._models, self._any_key, None),
             ("POST", "/v1/executions", self._start_execution, self._admin, control),
             ("GET", "/v1/executions/{execution_id}", self._execution_status, self._owner, None),
