@@ -197,7 +197,10 @@ async def start_command_agents(
         model_name=model_name,
         default_max_tokens=config.harness.max_new_tokens,
         max_open_executions=max(256, 2 * config.rl.group_size * config.rl.groups_per_step),
-        max_prompt_tokens=config.rollout.max_seq_len,  # no engine takes a longer one
+        # Far past any context the run serves or trains (the engines refuse what is
+        # too long for them; the command warm start's scripted answers do not), and
+        # small enough that an oversized body is refused before it is read.
+        max_prompt_tokens=4 * max(config.rollout.max_seq_len, *config.train.all_row_lengths),
     )
     url = await door.start("127.0.0.1", 0)
     return CommandAgents(
