@@ -59,9 +59,9 @@ audit event (cffi's libc `system()`), a symlink swapped between the hook's check
 open, code that rebinds the hook's helpers through `gc`/frame introspection or rebuilds
 an extension module (`importlib.util.module_from_spec` on `_posixsubprocess` or `posix`)
 gets around it; and there is no network namespace. Under both: reads anywhere the OS lets
-the caller's user read are permitted; there is no disk quota beyond the per-file size
-(many files can fill the workspace's disk); when the caller is root, RLIMIT_NPROC is not
-enforced (bubblewrap's PID namespace still ends every process with the run).
+the sandbox's user read are permitted; there is no disk quota beyond the per-file size
+(many files can fill the workspace's disk). Under the guard alone a root caller's
+RLIMIT_NPROC is not enforced (under bubblewrap agent code is uid 65534, see below).
 
 Running as root. A user namespace made by root maps the sandbox's user to uid 0 outside,
 where the kernel would let it read root-only files, connect to root's unix sockets and
