@@ -435,12 +435,18 @@ class _GuardedProtocol(asyncio.Protocol):
         self._transport.close()  # aiohttp sees connection_lost and cleans up
 
 
+def _guard_of(request: web.Request) -> _GuardedProtocol | None:
+    """The guard of the request's connection (None on a site without guards)."""
+    transport = request.transport
+    guard = transport.get_protocol() if transport is not None else None
+    return guard if isinstance(guard, _GuardedProtocol) else None
+
+
 @web.middleware
 async def _requests_middleware(request: web.Request, handler):
     """Tells the connection's guard that a request head arrived and its handler runs."""
-    transport = request.transport
-    guard = transport.get_protocol() if transport is not None else None
-    if not isinstance(guard, _GuardedProtocol):
+    guard = _guard_of(request)
+    if guard is None:
         return await handler(request)
     guard.request_started()
     try:
@@ -523,10 +529,9 @@ class Site:
 
         async def endpoint(request: web.Request) -> web.StreamResponse:
             caller = auth(request)
-            if auth is not no_auth:  # its credential passed: the connection is trusted
-                guard = request.transport.get_protocol() if request.transport else None
-                if isinstance(guard, _GuardedProtocol):
-                    guard.mark_authenticated()
+            guard = _guard_of(request)
+            if guard is not None and auth is not no_auth:  # its credential passed
+                guard.mark_authenticated()
             body = {}
             if max_body_bytes is not None:
                 raw = await read_body(request, max_body_bytes, self.limits.body_timeout_s)

@@ -414,9 +414,10 @@ class OpenAIServer(Site):
             return execution
 
     def _forget(self, state: _Execution) -> None:
-        """The execution is closed: out of the open ones, its key void."""
+        """The execution is closed (its calls already ended): out of the open ones, its
+        key void."""
         self._executions.pop(state.execution_id, None)
-        self._end_requests(state)
+        self._by_key.pop(_digest(state.key), None)
 
     def _end_requests(self, state: _Execution) -> None:
         """Voids the execution's key (no new requests) and cancels those in flight."""
@@ -461,12 +462,7 @@ class OpenAIServer(Site):
         reward = None if reward is None else as_float(reward, "reward")
         attempts = as_int(get(body, "eval_attempts", default=0), "eval_attempts", lo=0, hi=2**31)
         if self._executions.get(state.execution_id) is not state:  # finished meanwhile
-            raise HttpError(
-                401,
-                "Authorization: execution key of a finished execution",
-                "authentication_error",
-                "Authorization",
-            )
+            raise _finished_key()
         if state.owned:  # the run's execution: the agent ends its turn, the run keeps the rest
             self._end_requests(state)
             return web.json_response(
@@ -475,12 +471,7 @@ class OpenAIServer(Site):
         try:
             execution = await self.close_execution(state.execution_id, status, reward, attempts)
         except KeyError:  # another finish of it ended it while this one waited
-            raise HttpError(
-                401,
-                "Authorization: execution key of a finished execution",
-                "authentication_error",
-                "Authorization",
-            ) from None
+            raise _finished_key() from None
         except NotStored as e:
             raise HttpError(
                 507,
@@ -759,6 +750,15 @@ class OpenAIServer(Site):
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _finished_key() -> HttpError:
+    return HttpError(
+        401,
+        "Authorization: execution key of a finished execution",
+        "authentication_error",
+        "Authorization",
+    )
 
 
 def _finish_reason(reason: str, tool_calls: bool) -> str:

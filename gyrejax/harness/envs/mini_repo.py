@@ -327,18 +327,14 @@ class MiniRepoEnv:
         if not isinstance(where, dict):
             raise ValueError(f'"mini_repo"={where!r}: expected {{"seed", "difficulty", "index"}}')
         seed, level, index = (where.get(k) for k in ("seed", "difficulty", "index"))
-        for name, value, ok in (
-            ("seed", seed, _is_int(seed) and seed >= 0),
-            ("difficulty", level, _is_int(level) and level in LEVELS),
-            ("index", index, _is_int(index) and 0 <= index < MAX_TASK_INDEX),
-        ):
+        for name, value, ok, expected in (
+            ("seed", seed, _is_int(seed) and seed >= 0, "an int >= 0"),
+            ("difficulty", level, _is_int(level) and level in LEVELS, f"one of {LEVELS}"),
+            ("index", index, _is_int(index) and 0 <= index < MAX_TASK_INDEX,
+             f"an int in [0, {MAX_TASK_INDEX})"),
+        ):  # fmt: skip
             if not ok:
-                raise ValueError(
-                    f'"mini_repo"."{name}"={value!r}: expected '
-                    + {"seed": "an int >= 0", "difficulty": f"one of {LEVELS}"}.get(
-                        name, f"an int in [0, {MAX_TASK_INDEX})"
-                    )
-                )
+                raise ValueError(f'"mini_repo"."{name}"={value!r}: expected {expected}')
         with self._lock:
             drawn = self._drawn.get((seed, level), [])
             if len(drawn) <= index:  # a larger draw extends a smaller one
