@@ -2,7 +2,7 @@
 
   python benchmarks/chaos.py [--quick] [--json PATH] [--kills N] [--seed S] [--workdir DIR]
                              [--moments warm_start,rollout,step,checkpoint,publish,transition]
-                             [--per_run K]
+                             [--per_run K] [--adversarial after|only|skip]
 
 The main job is the tiny CPU run, started as a user starts it:
 
@@ -35,7 +35,12 @@ Also: an engine server (a JAX engine; scripted with --quick) and, if vllm is ins
 (not with --quick), a vLLM server are killed mid-request behind the proxy, beside a
 local engine; the request must complete there, equal to that engine's own answer.
 
-Reports kills survived / tried, per moment, and the server kills; --json writes it all.
+Then the adversarial round (benchmarks/adversarial.py; `--adversarial only|skip`): a
+real run whose agent command makes each attack of the audit (issue 40) from inside its
+sandbox, each judged from outside; it reports attacks tried and contained.
+
+Reports kills survived / tried, per moment, the server kills and the adversarial round;
+--json writes it all.
 On 2 shared CPU cores the full run (20 kills, about 4 runs) takes 40 minutes, --quick
 4 minutes (10 when the cores are busy).
 """
@@ -444,6 +449,7 @@ def start_engine_server(root: Path, scenario: Scenario):
         sys.executable, "-m", "gyrejax.serve.engine_server", f"--port={port}", "--name=ext",
         "--engine=jax", f"--hf_dir={start}", f"--max_seq_len={config.rollout.max_seq_len}",
         f"--max_slots={config.rollout.max_slots}",
+        f"--weights_dir={root}",  # every run's published/ lies under it
     ]  # fmt: skip
     log = open(root / "engine_server.log", "w")
     process = start_server_process(command, child_env(), log)
@@ -792,8 +798,14 @@ def main() -> None:
         "--per_run", type=int, default=None, help="kills per run (default: each moment once)"
     )
     parser.add_argument("--workdir", help="keep the runs here (default: a temp dir, removed)")
+    parser.add_argument(
+        "--adversarial", choices=("after", "only", "skip"), default="after",
+        help="the adversarial round (benchmarks/adversarial.py): after the kills, alone, or not",
+    )  # fmt: skip
     args = parser.parse_args()
     import jax
+    from adversarial import adversarial_round  # benchmarks/, beside this script
+    from adversarial import print_report as print_adversarial
 
     jax.config.update("jax_num_cpu_devices", 8)  # checkpoints are restored as saved
     scenario = QUICK if args.quick else FULL
@@ -805,23 +817,29 @@ def main() -> None:
         only = tuple(m for m in args.moments.split(",") if m)
         if set(only) - set(MOMENTS):
             parser.error(f"--moments: unknown {sorted(set(only) - set(MOMENTS))}")
-        result = chaos(
-            root, scenario, kills, args.seed, log=lambda m: print(m, flush=True), only=only,
-            per_run=args.per_run,
-        )  # fmt: skip
-        servers = {"engine server": engine_server_kill(root, args.quick)}
-        if not args.quick:
-            servers["vLLM server"] = vllm_server_kill(root)
+        result, servers, adversarial = {"kills": [], "runs": []}, {}, None
+        if args.adversarial != "only":
+            result = chaos(
+                root, scenario, kills, args.seed, log=lambda m: print(m, flush=True),
+                only=only, per_run=args.per_run,
+            )  # fmt: skip
+            servers = {"engine server": engine_server_kill(root, args.quick)}
+            if not args.quick:
+                servers["vLLM server"] = vllm_server_kill(root)
+        if args.adversarial != "skip":
+            adversarial = adversarial_round(root, ENGINE_TOKEN, log=lambda m: print(m, flush=True))
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
     summary = summarize(result)
-    print_report(summary, servers)
+    if args.adversarial != "only":
+        print_report(summary, servers)
+    if adversarial is not None:
+        print_adversarial(adversarial)
     print(f"\n{time.monotonic() - start:.0f} s in all")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"summary": summary, "servers": servers, **result}, indent=2)
-        )
+        everything = {"summary": summary, "servers": servers, "adversarial": adversarial}
+        Path(args.json).write_text(json.dumps(everything | result, indent=2))
 
 
 if __name__ == "__main__":

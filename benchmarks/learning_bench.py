@@ -1,11 +1,14 @@
 """Learning benchmark: does RL beat doing nothing on held-out tasks?
 
-  python benchmarks/learning_bench.py --out DIR [--warm WARM] [--seeds 3] [--steps 40]
-      [--eval_every 20] [--num_tasks 16] [--samples 4] [--config.x=y ...]
+  python benchmarks/learning_bench.py --out DIR [--warm WARM] [--seeds 3] [--steps N]
+      [--eval_every N] [--num_tasks N] [--samples N] [--config.x=y ...]
 
-The main job's config (configs/tiny_cpu.py), two arms from one warm start, `--seeds`
+The main job's config in its `learning` variant (configs/tiny_cpu.py:learning: a warm
+start on fresh tasks, not the main job's memorised 16-task pool; 80 RL steps; held-out
+evaluation of 64 tasks at steps 40 and 80), two arms from one warm start, `--seeds`
 seeds each (`config.seed`: the RL tasks drawn, the sampling, the admission):
-  * rl: the main job's RL, `--steps` steps;
+  * rl: the main job's RL, `train.steps` steps (`--steps`, `--eval_every`,
+    `--num_tasks` and `--samples` override train.steps and the eval.* fields);
   * control: the same run at `train.learning_rate = 0`: the same tasks, rollouts,
     scheduling and evaluations, weights never moving (the warm start's all along).
 Both evaluate the held-out split (gyrejax/harness/held_out.py: tasks no training draw
@@ -20,15 +23,14 @@ every hidden check), sampled reward, the share of sampled executions that left a
 workspace, and the mean reward of those that produced something. The goal (issue 39):
 RL's held-out sampled pass@1 above the control's with non-overlapping intervals.
 
-Every --config.x=y argument goes to every run and to the warm start, e.g. the
-generalising warm start configs/tiny_cpu.py describes: --config.harness.task_pool=0
---config.warmup.demonstrations=8192 --config.warmup.steps=1000 (and
---config.train.learning_rate=... for the RL arm's rate). The warm start (`--warm`, else
-made in OUT/warm: `launch ... --config.train.steps=0`, about 6 minutes with the main
-job's settings, 18 with those) is copied into every run (its demonstrations/ and
+Every --config.x=y argument goes to every run and to the warm start, e.g.
+--config.train.learning_rate=... (the RL arm's rate) or --config.rl.reward_shaping=pass.
+The warm start (`--warm`, else made in OUT/warm: `launch ... --config.train.steps=0`,
+about 18 minutes of SFT on 2 cores) is copied into every run (its demonstrations/ and
 warmup/), so every run starts from the same weights. A run whose run_summary.json
-exists is not run again: the benchmark resumes. Each run takes about the main job's
-RL time (4 minutes on 2 cores) plus its evaluations. Writes OUT/learning.json and OUT/learning.png.
+exists is not run again: the benchmark resumes. Each run takes about 6 minutes on 2
+cores (80 steps and two evaluations of 320 executions). Writes OUT/learning.json and
+OUT/learning.png.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-CONFIG = "configs/tiny_cpu.py"
+CONFIG = "configs/tiny_cpu.py:learning"
 FIGURES = (
     "sampled_pass@1",
     "greedy_pass@1",
@@ -91,14 +93,15 @@ def run_arm(out: Path, warm: Path, arm: str, seed: int, args) -> Path:
     workdir.mkdir(parents=True)
     for part in ("demonstrations", "warmup"):
         shutil.copytree(warm / part, workdir / part)
-    flags = [
-        f"--config.seed={seed}",
-        f"--config.train.steps={args.steps}",
-        f"--config.eval.every_steps={args.eval_every}",
-        f"--config.eval.num_tasks={args.num_tasks}",
-        f"--config.eval.samples_per_task={args.samples}",
-        *args.flags,
-    ]
+    given = {
+        "train.steps": args.steps,
+        "eval.every_steps": args.eval_every,
+        "eval.num_tasks": args.num_tasks,
+        "eval.samples_per_task": args.samples,
+    }
+    flags = [f"--config.seed={seed}"]
+    flags += [f"--config.{name}={value}" for name, value in given.items() if value is not None]
+    flags += args.flags
     if arm == "control":
         flags.append("--config.train.learning_rate=0.0")
     start = time.perf_counter()
@@ -165,7 +168,8 @@ def plot(table: dict, path: Path) -> None:
         half = [rows[s]["sampled_pass@1"]["ci95"] for s in steps]
         ax.errorbar(steps, mean, yerr=half, marker="o", capsize=4, label=arm)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out sampled pass@1 (mean, 95% CI over seeds)")
+    ax.set_ylabel("held-out sampled pass@1")
+    ax.set_title("mean and 95% CI over seeds; the control's weights are the start's")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -177,10 +181,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the runs, learning.json, learning.png")
     parser.add_argument("--warm", help="a finished tiny_cpu warm start (else made in OUT)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--eval_every", type=int, default=20)
-    parser.add_argument("--num_tasks", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=4)
+    # Unset: the config's (train.steps, eval.every_steps, eval.num_tasks, samples_per_task).
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--eval_every", type=int)
+    parser.add_argument("--num_tasks", type=int)
+    parser.add_argument("--samples", type=int)
     args, flags = parser.parse_known_args()  # the rest: --config.x=y, to every run
     unknown = [f for f in flags if not f.startswith("--config.")]
     if unknown:

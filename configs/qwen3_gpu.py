@@ -1,7 +1,7 @@
 r"""Qwen3 0.6B to 8B (and Qwen2.5 7B) from a Hugging Face checkpoint on H200 or H100 GPUs.
 
 Command (one host of 8 GPUs; the variant picks the model and the device, the checkpoint
-is required; the GPU install first: pip install -e '.[gpu]', README "On GPUs"):
+is required; the GPU install first: pip install -e '.[gpu]', docs/gpus.md):
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python -m gyrejax.launch \
       --config configs/qwen3_gpu.py:8b --workdir /data/runs/qwen3-8b \
       --config.model.hf_checkpoint=/models/Qwen3-8B
@@ -12,7 +12,7 @@ is required; the GPU install first: pip install -e '.[gpu]', README "On GPUs"):
   JAX takes 75% of a GPU by default, less than the budgets below: the fraction 0.93 lets it
   use about 131 GB of an H200 (74 GB of an H100), above the 90% the layouts are sized to.
   The JAX engine shares that allocator with the trainer on every cell; for vLLM on GPU
-  cells see README "On GPUs" (launch refuses the combinations that cannot start or wake).
+  cells see docs/gpus.md (launch refuses the combinations that cannot start or wake).
   Several hosts: launch/slurm.sbatch.
 
 What it does: loads the checkpoint (architecture from its config.json, weights in
@@ -300,6 +300,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl.loss = "ppo"
     c.rl.advantage = "grpo"
     c.rl.advantage_std = "unbiased"  # unbiased (ddof=1) | population: GRPO's group std
+    c.rl.reward_shaping = "as_is"  # as_is | pass: 1 for every hidden check, else 0
     c.rl.clip_low = 0.2
     c.rl.clip_high = 0.28
     c.rl.tis_cap = 2.0
@@ -311,7 +312,7 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.rl.groups_per_step = 8
     c.rl.j_max = 5
     # Who acts: builtin (the harness) | command (your agent program through the run's
-    # OpenAI door; see README "Bring your own agent"). The rest is for command only.
+    # OpenAI door; see docs/byo-agent.md). The rest is for command only.
     c.rl.agent = "builtin"
     c.rl.agent_command = ""  # e.g. "python examples/agents/react_agent.py"
     c.rl.reward = "environment"  # environment (the verifier) | agent (its reward.json)
@@ -334,6 +335,13 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
     c.harness.tool_latency_median_s = 0.0
     c.harness.tool_latency_sigma = 0.0
     c.harness.sandbox = "bwrap"  # agent code of a real model: a real boundary or no run
+    c.harness.agent_sandbox = "bwrap"  # so is an agent command (rl.agent=command)
+    c.harness.agent_max_processes = 512
+    c.harness.agent_memory_bytes = 8 << 30
+    c.harness.agent_file_bytes = 1 << 30
+    c.harness.agent_tmp_bytes = 1 << 30
+    c.harness.workspace_bytes = 1 << 30
+    c.harness.workspace_inodes = 65536
 
     # No warm start: the checkpoint is trained already.
     c.warmup = config_dict.ConfigDict()
@@ -372,6 +380,13 @@ def get_config(variant: str | None = None) -> config_dict.ConfigDict:
 
     # Held-out evaluation (0: off): greedy and k sampled executions of tasks training
     # never draws, on the rollout engines at burst boundaries (eval.jsonl, eval.png).
+    # Where metrics go besides the JSONL logs (always written): "tensorboard" (event files
+    # in <workdir>/tensorboard; pip install -e '.[trackers]') and/or "wandb" (offline
+    # unless WANDB_MODE says otherwise).
+    c.logging = config_dict.ConfigDict()
+    c.logging.writers = ("jsonl",)
+    c.logging.wandb_project = "gyrejax"
+
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0
     c.eval.tasks_path = ""  # JSONL of environment tasks; "": a held-out split of its own

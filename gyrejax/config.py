@@ -45,6 +45,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # The group std GRPO divides by (rl.advantage_std): "unbiased" (ddof=1, as verl and TRL)
 # or "population" (ddof=0).
 ADVANTAGE_STDS = ("unbiased", "population")
+# What the advantage estimator sees of each reward (rl.reward_shaping): "as_is", or "pass"
+# (1 for every hidden check passed, else 0: the held-out pass@1's own criterion).
+REWARD_SHAPINGS = ("as_is", "pass")
 # The engine on each cell (gyrejax/rollout/factory.py): the JAX engine, or vLLM in this
 # process (needs the optional vllm package). vLLM servers by URL: rollout.vllm_servers.
 ENGINES = ("jax", "vllm")
@@ -59,6 +62,10 @@ ENVIRONMENTS = ("mini_repo",)
 # How agent code is confined (gyrejax/harness/sandbox.py): bubblewrap namespaces (a real
 # boundary), the Python audit-hook guard only (not a boundary), or bwrap when it works.
 SANDBOXES = ("auto", "bwrap", "python_guard")
+# Experiment trackers a run writes to (gyrejax/writers.py); JSONL is always on.
+LOGGING_WRITERS = ("jsonl", "tensorboard", "wandb")
+# How an external agent command is confined (gyrejax/harness/agent_sandbox.py).
+AGENT_SANDBOXES = ("bwrap", "none")
 # Who acts in an RL execution: the built-in harness, or the user's agent program
 # (`rl.agent_command`) talking to the run's OpenAI door (gyrejax/harness/external.py).
 AGENTS = ("builtin", "command")
@@ -146,20 +153,20 @@ def _check_rules(section: str, rules: ShardingRules, mesh_axes: tuple[str, ...])
 class ModelConfig:
     """Architecture of a Qwen2/Qwen3-family decoder (HF `config.json` field names differ)."""
 
-    vocab_size: int = 512
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
+    vocab_size: int = 512  # token ids (the embedding and the head)
+    hidden_size: int = 64  # the residual stream's width
+    intermediate_size: int = 128  # the MLP's hidden width
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention: divides num_heads)
+    head_dim: int = 16  # each head's width
+    rope_theta: float = 1_000_000.0  # RoPE base frequency
+    rms_norm_eps: float = 1e-6  # RMSNorm's epsilon
     max_position_embeddings: int = 32768  # recorded for HF export (vLLM sizes by it).
     qk_norm: bool = True  # Qwen3: RMSNorm on q and k per head.
     qkv_bias: bool = False  # Qwen2 (and Qwen3 with attention_bias): q, k, v bias.
     o_bias: bool = False  # Qwen3 with attention_bias: output projection bias too.
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the output head shares the embedding
     dtype: str = "float32"  # parameters and activations; logits are always float32.
     attention: str = "dense"  # training attention over packed tree rows.
     attention_block_size: int = 512  # query/key block of the blocked attention.
@@ -167,7 +174,7 @@ class ModelConfig:
     # "bytes" (the harness's byte tokenizer) or the path of an HF tokenizer directory
     # (tokenizer.json / tokenizer_config.json; an HF checkpoint directory usually is one).
     tokenizer: str = BYTE_TOKENIZER
-    init_seed: int = 0
+    init_seed: int = 0  # seed of the random initial weights (no hf_checkpoint)
 
     def __post_init__(self):
         s = "model"
@@ -236,8 +243,8 @@ class CellsConfig:
 
     num_cpu_devices: int = 0  # CPU-emulated device count set before JAX starts; 0: leave.
     size: int = 1  # devices per cell; every model-parallel group lies inside one cell.
-    fsdp: int = 1
-    tensor: int = 1
+    fsdp: int = 1  # devices of a cell's fsdp axis
+    tensor: int = 1  # devices of a cell's tensor axis
     # Devices a packed row's length is split over (context-parallel tree attention); the
     # cell's mesh gets a `sequence` axis when > 1.
     sequence: int = 1
@@ -283,6 +290,7 @@ MAX_ROW_LENGTHS = 12
 class RolloutConfig:
     """Rollout engines (consumed by gyrejax/rollout)."""
 
+    # The rollout engine of every cell: ENGINES (jax, or vllm on its own devices).
     engine: str = "jax"
     max_slots: int = 8  # concurrent sequences per engine.
     max_seq_len: int = 2048  # KV-cache length per slot.
@@ -300,13 +308,14 @@ class RolloutConfig:
     # only some allocator set-ups let vLLM have it (preflight.memory_handoff_problem).
     # Unused on CPU, where a vLLM engine's KV cache is sized to max_slots x max_seq_len.
     gpu_memory_utilization: float = 0.9
+    # Logical axis -> mesh axis, for the engines.
     sharding_rules: ShardingRules = SAMPLE_SHARDING_RULES
     # Engines outside the cells, reached by URL and always rolling out beside the rollout
     # cells; each published version reaches them as an HF export under the workdir, which
     # their hosts must read. vLLM servers (serve/vllm_server_engine.py says how to start
     # one) and gyrejax engine servers (python -m gyrejax.serve.engine_server).
     vllm_servers: tuple[str, ...] = ()
-    engine_servers: tuple[str, ...] = ()
+    engine_servers: tuple[str, ...] = ()  # engine servers (URLs) beside the cells
 
     def __post_init__(self):
         _one_of("rollout", self, "engine", ENGINES)
@@ -338,17 +347,17 @@ class TrainConfig:
 
     steps: int = 1  # RL (or store-training) steps; 0: after the warm start, one batch only
     executions_dir: str = ""  # if set, launch trains on this execution store (SFT or RL)
-    learning_rate: float = 1e-5
+    learning_rate: float = 1e-5  # AdamW's learning rate
     row_length: int = 2048  # tokens per packed row; the longest row >= rollout.max_seq_len.
-    rows_per_micro_step: int = 1
+    rows_per_micro_step: int = 1  # packed rows per micro-step
     # Row buckets: more lengths rows may have besides row_length (each divides it or is a
     # multiple of it; above it, a row is split over cells.sequence when > 1, else it is
     # held whole by one device). A micro-step of length l holds max(1, R * L // l) rows.
     # Empty: every row is [row_length]. The trainer compiles each length once per cell.
     row_lengths: tuple[int, ...] = ()
     max_row_shapes: int = 0  # most distinct lengths in one batch; 0: no cap
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # global gradient-norm clip
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     # Mixed precision: "float32" keeps float32 master weights and AdamW moments when
     # model.dtype is lower (bfloat16), computes each micro-step in model.dtype from the
     # masters cast down, and applies the update to the masters (a 1e-6 update of a 0.02
@@ -362,7 +371,7 @@ class TrainConfig:
     # The loss head's logits over chunks of this many tokens, each recomputed in the
     # backward, so a micro-step never holds float32 [tokens, vocab] whole; 0: unchunked.
     loss_chunk_tokens: int = 0
-    sharding_rules: ShardingRules = TRAIN_SHARDING_RULES
+    sharding_rules: ShardingRules = TRAIN_SHARDING_RULES  # logical axis -> mesh axis, for training
 
     def __post_init__(self):
         _positive("train", self, "row_length", "rows_per_micro_step")
@@ -414,11 +423,14 @@ class TrainConfig:
 class RLConfig:
     """Loss and trajectory processing (consumed by gyrejax/rl and gyrejax/trajectory)."""
 
-    loss: str = "ppo"
+    loss: str = "ppo"  # LOSSES: the policy loss (gyrejax/rl/losses.py)
+    # ADVANTAGES: how rewards become advantages (gyrejax/trajectory/advantages.py).
     advantage: str = "grpo"
     advantage_std: str = "unbiased"  # ADVANTAGE_STDS: the group std GRPO divides by
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    # REWARD_SHAPINGS: what the estimator sees of each reward; metrics keep the reward.
+    reward_shaping: str = "as_is"
+    clip_low: float = 0.2  # PPO clip: the ratio's lower bound is 1 - clip_low
+    clip_high: float = 0.28  # and its upper bound 1 + clip_high
     # tis: the ratio is capped at this value; decoupled_ppo: the behaviour-to-proximal
     # importance weight is.
     tis_cap: float = 2.0
@@ -440,14 +452,15 @@ class RLConfig:
     # reward comes from, and optionally its tasks (a JSONL file, each line with at least
     # "id" and "prompt"; default: the environment's).
     agent: str = "builtin"
-    agent_command: str = ""
-    reward: str = "environment"
-    tasks_path: str = ""
+    agent_command: str = ""  # shell-split; run in the workspace
+    reward: str = "environment"  # AGENT_REWARDS
+    tasks_path: str = ""  # JSONL tasks; "": the environment's
 
     def __post_init__(self):
         _one_of("rl", self, "loss", LOSSES)
         _one_of("rl", self, "advantage", ADVANTAGES)
         _one_of("rl", self, "advantage_std", ADVANTAGE_STDS)
+        _one_of("rl", self, "reward_shaping", REWARD_SHAPINGS)
         _non_negative("rl", self, "clip_low", "clip_high", "tis_cap", "kl_coef")
         _one_of("rl", self, "kl_estimator", KL_ESTIMATORS)
         if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1 + self.clip_high:
@@ -488,11 +501,11 @@ class RLConfig:
 class HarnessConfig:
     """Agent harness and environment (consumed by gyrejax/harness)."""
 
-    environment: str = "mini_repo"
+    environment: str = "mini_repo"  # ENVIRONMENTS: where tasks and their verifiers come from
     difficulty: int = 1  # task difficulty level of the environment
     task_pool: int = 0  # > 0: draw every task from a fixed pool of this many
     max_turns: int = 32  # main-agent turns before the execution times out
-    sub_agent_max_turns: int = 8
+    sub_agent_max_turns: int = 8  # turns of a sub-agent
     timeout_s: float = 600.0  # wall clock per execution
     context_budget_tokens: int = 1280  # compaction trigger
     max_new_tokens: int = 128  # per model call
@@ -502,15 +515,33 @@ class HarnessConfig:
     # Wall time of each tool call, as real tools (builds, test suites) take it: a seeded
     # lognormal with this median and sigma, waited without using a CPU. 0: no wait.
     tool_latency_median_s: float = 0.0
-    tool_latency_sigma: float = 0.0
+    tool_latency_sigma: float = 0.0  # the lognormal's sigma (0: always the median)
     # Agent code's sandbox: "bwrap" (bubblewrap; refuses to start without it),
     # "python_guard" (the audit-hook guard only: NOT a security boundary) or "auto" (bwrap
     # when it works here, else the guard with a warning in the log and run_summary.json).
     sandbox: str = "auto"
+    # The agent command's sandbox (rl.agent=command; gyrejax/harness/agent_sandbox.py):
+    # "bwrap" (bubblewrap; refuses to start without it: own PID and network namespaces,
+    # the door its one way out, the workdir hidden) or "none" (beside the run, trusted
+    # agents only: a warning in the log and run_summary.json). Its per-process address
+    # space and file size, and the size of its private /tmp:
+    agent_sandbox: str = "bwrap"
+    # Processes and threads of one agent's whole tree, and its memory (the tree's, in a
+    # cgroup where the run is root; also each process's address space, an rlimit).
+    agent_max_processes: int = 512
+    agent_memory_bytes: int = 4 << 30  # the tree's (cgroup) and each process's
+    agent_file_bytes: int = 256 << 20  # per process (RLIMIT_FSIZE)
+    agent_tmp_bytes: int = 256 << 20  # its private /tmp
+    # Each execution's workspace: bytes and inodes (files and directories) whoever
+    # writes them, agent code included. Enforced by a tmpfs per workspace where the run
+    # is root (gyrejax/harness/workspace_quota.py); run_summary.json says whether.
+    workspace_bytes: int = 64 << 20
+    workspace_inodes: int = 4096  # files and directories it may hold
 
     def __post_init__(self):
         _one_of("harness", self, "environment", ENVIRONMENTS)
         _one_of("harness", self, "sandbox", SANDBOXES)
+        _one_of("harness", self, "agent_sandbox", AGENT_SANDBOXES)
         _positive(
             "harness",
             self,
@@ -521,6 +552,12 @@ class HarnessConfig:
             "max_new_tokens",
             "max_observation_tokens",
             "eval_retry_budget",
+            "agent_max_processes",
+            "agent_memory_bytes",
+            "agent_file_bytes",
+            "agent_tmp_bytes",
+            "workspace_bytes",
+            "workspace_inodes",
         )
         _non_negative("harness", self, "max_retries", "task_pool")
         if not self.timeout_s > 0:
@@ -540,7 +577,7 @@ class WarmupConfig:
     quality: float = 0.8  # chance that a demonstrated file is right
     delegation_prob: float = 0.2  # share of demonstrations that use a sub-agent
     groups_per_step: int = 8  # demonstrations per SFT step
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-3  # the warm start's learning rate
 
     def __post_init__(self):
         _non_negative("warmup", self, "steps", "learning_rate")
@@ -554,6 +591,7 @@ class WarmupConfig:
 class SchedulerConfig:
     """Cell role policy (consumed by gyrejax/scheduler)."""
 
+    # POLICIES: who rolls out and who trains, when (gyrejax/scheduler/policies.py).
     policy: str = "elastic"
     phi: int = 1  # extra bursts of dispatch depth (staleness bound).
     mu: int = 1  # training steps per weight publication.
@@ -623,7 +661,7 @@ class EvalConfig:
     # environment's own tasks instead, `num_tasks` of them drawn with `seed`, none of
     # which the run's training can draw (gyrejax/harness/held_out.py).
     tasks_path: str = ""
-    num_tasks: int = 8
+    num_tasks: int = 8  # held-out tasks drawn for the split
     seed: int = 1_000_003  # any value: tasks training can draw are left out whatever it is
     samples_per_task: int = 4  # k: sampled executions per task (pass@k)
 
@@ -640,8 +678,9 @@ class EvalConfig:
 class CheckpointConfig:
     """Orbax checkpoints under --workdir (consumed by gyrejax/train)."""
 
-    every_steps: int = 10
-    keep: int = 3
+    every_steps: int = 10  # steps between two checkpoints (and the run's last step)
+    keep: int = 3  # checkpoints (and HF exports) kept; older ones are deleted
+    # Each checkpoint also written as an HF checkpoint (config.json + safetensors).
     export_hf: bool = True
 
     def __post_init__(self):
@@ -652,14 +691,35 @@ class CheckpointConfig:
 class GenerateConfig:
     """Greedy generations that launch runs as a smoke check of the model."""
 
+    # Prompts (token ids) the generate CLI and the main job's greedy check decode.
     prompts: tuple[tuple[int, ...], ...] = ((1, 2, 3),)
-    max_new_tokens: int = 8
+    max_new_tokens: int = 8  # tokens generated for each
 
     def __post_init__(self):
         _positive("generate", self, "max_new_tokens")
         for prompt in self.prompts:
             if not prompt or any(not isinstance(t, int) or t < 0 for t in prompt):
                 _fail("generate.prompts", prompt, "expected non-empty tuples of token ids >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where a run's metrics go (consumed by gyrejax/writers.py)."""
+
+    # Besides the JSONL logs, always written: "tensorboard" (event files in
+    # <workdir>/tensorboard, via tensorboardX: no TensorFlow) and/or "wandb" (Weights &
+    # Biases; offline unless WANDB_MODE says otherwise). "jsonl" may be listed too.
+    writers: tuple[str, ...] = ("jsonl",)
+    wandb_project: str = "gyrejax"  # the W&B project (logging.writers has wandb)
+
+    def __post_init__(self):
+        writers = self.writers
+        if not isinstance(writers, tuple) or not all(w in LOGGING_WRITERS for w in writers):
+            _fail("logging.writers", writers, f"expected a tuple of {', '.join(LOGGING_WRITERS)}")
+        if len(set(writers)) != len(writers):
+            _fail("logging.writers", writers, "each writer once")
+        if not self.wandb_project:
+            _fail("logging.wandb_project", self.wandb_project, "expected a project name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,7 +737,8 @@ class Config:
     warmup: WarmupConfig = WarmupConfig()
     generate: GenerateConfig = GenerateConfig()
     eval: EvalConfig = EvalConfig()
-    seed: int = 0
+    logging: LoggingConfig = LoggingConfig()
+    seed: int = 0  # every seed of the run (init, tasks, sampling) derives from it
     # JAX's persistent compilation cache (gyrejax/compilation_cache.py): compiled programs
     # kept on disk, so a resumed run, and each process of a run, loads what was compiled
     # before instead of compiling it again. "auto": `<workdir>/jax_cache` (the run's own,

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-PASS_REWARD = 1.0
+from gyrejax.trajectory.advantages import PASS_REWARD
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

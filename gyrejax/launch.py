@@ -142,12 +142,13 @@ def main(argv: list[str]) -> None:
     except WorkdirBusy as e:
         sys.exit(f"gyrejax.launch: {e}")
 
+    from gyrejax.loop.steps import NothingToTrain
     from gyrejax.model.hf_io import CheckpointError
     from gyrejax.run import run
 
     try:  # one process, or this process's part of several (process 0 decides)
         run(config, _WORKDIR.value)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, NothingToTrain) as e:
         where = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
         gc.collect()  # what a failed restore left pending reports now, before the error
         sys.exit(f"gyrejax.launch: {where}{e}")

@@ -113,6 +113,12 @@ def check_inputs(config: Config) -> None:
     Raises:
       ConfigError naming the field and value.
     """
+    for writer, module in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+        if writer in config.logging.writers and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"config.logging.writers={config.logging.writers}: {writer} needs the "
+                f"{module} package (pip install -e '.[trackers]')"
+            )
     store = config.train.executions_dir
     if store:
         if not os.path.isdir(store):
@@ -290,8 +296,8 @@ def _running_platform() -> str | None:
     return None if jax is None else jax.devices()[0].platform
 
 
-# How a user gets JAX's CUDA build (README, "On GPUs").
-GPU_INSTALL = "pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; README: On GPUs)"
+# How a user gets JAX's CUDA build (docs/gpus.md).
+GPU_INSTALL = "pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; docs/gpus.md)"
 
 
 def check_platform(config: Config, platform: str) -> None:

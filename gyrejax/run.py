@@ -75,6 +75,14 @@ def run(config: Config, workdir: str) -> dict:
             choose_sandbox(config.harness.sandbox)
         except SandboxUnavailable as e:  # "sandbox='bwrap': ..."
             raise ConfigError(f"config.harness.{e}") from e
+    if agents and config.rl.agent == "command" and config.harness.agent_sandbox == "bwrap":
+        try:
+            choose_sandbox("bwrap")
+        except SandboxUnavailable as e:
+            raise ConfigError(
+                f"config.harness.agent_{e}; or harness.agent_sandbox='none' to run the "
+                "agent command unsandboxed (trusted agents only)"
+            ) from e
     cells = split_into_cells(config.cells)
     logging.info("devices: %d %s", len(jax.devices()), jax.devices()[0].platform)
     for cell in cells:

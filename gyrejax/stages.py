@@ -71,6 +71,7 @@ def warm_start(
                 seed=config.seed,
                 quality=config.warmup.quality,
                 chat=chat,
+                run_dirs=(workdir,),
             )
         else:
             recorded = demonstration_executions(

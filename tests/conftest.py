@@ -34,6 +34,33 @@ jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# The longest test files (measured on 2 cores) run first. With -n, xdist's --dist
+# loadfile (pyproject's addopts) gives a worker whole files in collection order: a
+# file's module fixtures (vLLM engines and servers) start once and its programs compile
+# once, in one process, and the short files left for the end keep both workers busy.
+LONGEST_FILES_FIRST = (
+    "test_multiprocess.py", "test_runtime.py", "test_trainer.py", "test_jax_engine.py",
+    "test_gpu_check.py", "test_vllm_server.py", "test_vllm_cells.py", "test_objective.py",
+    "test_loop.py", "test_attention_kernel.py", "test_calibrate.py", "test_vllm_engine.py",
+    "test_chaos.py", "test_memory.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+
+
+def _agent_sandbox() -> str:
+    from gyrejax.harness.sandbox import choose_sandbox
+
+    return "bwrap" if choose_sandbox("auto").used == "bwrap" else "none"
+
+
+# How tests run agent commands: in the sandbox wherever bubblewrap works (CI installs
+# it); elsewhere beside the run, so that the rest of what they check still runs.
+AGENT_SANDBOX = _agent_sandbox()
+
 # Tiny HF checkpoints written by transformers, covering the Qwen variants we support:
 # name -> (model_type, extra config fields). All use grouped-query attention (4 q heads,
 # 2 kv heads) unless noted.
@@ -133,6 +160,28 @@ def settings(ratios: dict) -> tuple:
 def read_jsonl(path: pathlib.Path) -> list[dict]:
     """The records of a `.jsonl` log the runtime writes (metrics, transitions, ...)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tensorboard_series(logdir: pathlib.Path):
+    """The event files in `logdir` read back with TensorBoard's own reader: a function of
+    a scalar tag giving its [(step, value)] (what TensorBoard plots), and the reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    events.Reload()
+    return lambda tag: [(e.step, e.value) for e in events.Scalars(tag)], events
+
+
+def check_tensorboard_holds(workdir: pathlib.Path, log: str, fields: tuple[str, ...]):
+    """Each of `fields` of `workdir/<log>.jsonl`, plotted from `workdir/tensorboard`, is
+    one point per record, at the record's step (a transition's: its place in the log,
+    from 1), of its value (float32: rel 1e-6)."""
+    series, _ = tensorboard_series(workdir / "tensorboard")
+    records = read_jsonl(workdir / f"{log}.jsonl")
+    steps = range(1, len(records) + 1) if log == "transitions" else [r["step"] for r in records]
+    for field in fields:
+        values = [pytest.approx(r[field], rel=1e-6) for r in records]
+        assert series(f"{log}/{field}") == list(zip(steps, values, strict=True)), field
 
 
 # The engine token of test engine servers (tests that reach them with a Runtime set it

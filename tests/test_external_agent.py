@@ -16,13 +16,15 @@ import asyncio
 import dataclasses
 import json
 import re
+import secrets
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, load_config_file
+from conftest import AGENT_SANDBOX, REPO_ROOT, load_config_file
 from test_agent import CONFIG, run_one, two_file_task
 from test_openai_proxy import without_times
 
@@ -36,6 +38,7 @@ from gyrejax.harness.envs.mini_repo import MiniRepoEnv
 from gyrejax.harness.external import CommandAgents
 from gyrejax.harness.tasks import load_task_file, task_json
 from gyrejax.loop import Runtime
+from gyrejax.loop.steps import NothingToTrain
 from gyrejax.model.transformer import init_model
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.scripted import ScriptedEngine
@@ -82,15 +85,18 @@ def replay_engine(reference):
     return ScriptedEngine("scripted", respond)
 
 
-def run_group(tmp_path, engine, command, tasks, *, reward="environment", timeout_s=30.0):
-    """Runs one execution per task through CommandAgents and a door; returns them."""
+def run_group(tmp_path, engine, command, tasks, *, reward="environment", timeout_s=30.0, **options):
+    """Runs one execution per task through CommandAgents and a door; returns them.
+    `options`: CommandAgents' keywords (agent_sandbox, hidden, ...)."""
+
+    options.setdefault("agent_sandbox", AGENT_SANDBOX)
 
     async def body():
         door = OpenAIServer(Proxy([engine]), api_key=ADMIN_KEY, default_max_tokens=96)
         url = await door.start("127.0.0.1", 0)
         agents = CommandAgents(
             door, url, command, tmp_path / "workspaces", environment=MiniRepoEnv(),
-            reward=reward, timeout_s=timeout_s,
+            reward=reward, timeout_s=timeout_s, **options,
         )  # fmt: skip
         try:
             runs = [agents.run_execution(t, f"g/{i}", "g", i) for i, t in enumerate(tasks)]
@@ -138,29 +144,49 @@ def test_an_external_agent_records_what_the_builtin_harness_records(tmp_path):
     assert batch.stats.executions_dropped == 0 and batch.tokens.size
 
 
-def test_a_hanging_agent_and_its_children_are_killed_at_the_timeout(tmp_path):
-    pids = tmp_path / "pids"
+@pytest.mark.parametrize(
+    "agent_sandbox",
+    [
+        pytest.param(
+            "bwrap", marks=pytest.mark.skipif(AGENT_SANDBOX != "bwrap", reason="no bwrap")
+        ),
+        "none",
+    ],
+)
+def test_a_hanging_agent_and_its_children_are_killed_at_the_timeout(tmp_path, agent_sandbox):
+    # Sleeps of a length nothing else uses mark the agent's processes on the host. In
+    # its own session, a child leaves the process group: only the sandbox's PID
+    # namespace takes it down (the audit's `setsid` survivor).
+    sleeps = [f"sleep {10**6 + secrets.randbelow(10**6) * 2 + i}" for i in range(2)]
+    survivor = f"setsid {sleeps[1]} &" if agent_sandbox == "bwrap" else ""
     agent = write(tmp_path, "hang.sh", f"""
         echo partial > data.txt
-        sleep 300 & echo $! >> {pids}; echo $$ >> {pids}; wait
+        {sleeps[0]} & {survivor}
+        wait
     """)  # fmt: skip
     started = time.monotonic()
     (execution,) = run_group(
-        tmp_path, replay_engine(None), ["sh", agent], [two_file_task()[0]], timeout_s=1.5
-    )
+        tmp_path, replay_engine(None), ["sh", agent], [two_file_task()[0]], timeout_s=1.5,
+        agent_sandbox=agent_sandbox,
+    )  # fmt: skip
     assert 1.5 <= time.monotonic() - started < 10
     assert execution.status == "timed_out" and execution.reward is not None  # scored
-    for pid in map(int, pids.read_text().split()):
-        assert not alive(pid), pid
+    assert not any(running(sleep) for sleep in sleeps)
 
 
-def alive(pid: int) -> bool:
-    """Running (a killed orphan may linger as a zombie until init reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+def running(text: str) -> list[int]:
+    """Host pids whose command line contains `text` and are not zombies (a killed
+    orphan may linger as one until init reaps it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError):
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 def test_a_crashing_agent_is_failed_with_its_stderr_tail_and_the_others_go_on(tmp_path):
@@ -336,11 +362,14 @@ def test_the_agent_sees_a_task_lines_public_fields_never_its_hidden_task(tmp_pat
 def test_an_rl_run_with_a_command_agent_trains_while_a_member_crashes(tmp_path):
     """The runtime serves the door; each execution is a process of the agent (chat calls
     with a retry, a summary and a sub-agent); member 2 of every group crashes, is
-    `failed` and dropped, and the step trains on the rest."""
+    `failed` and dropped, and the step trains on the rest. Every member of the first
+    group crashes: it has nothing to train, and a new group takes its place (the run
+    once waited for good on the group the schedule never dispatched)."""
     agent = write(tmp_path, "chat_agent.py", """
         import json, os, sys
         import openai
-        if os.environ["GYREJAX_EXECUTION"].endswith("/2"):
+        me = os.environ["GYREJAX_EXECUTION"]
+        if me.endswith("/2") or me.startswith("g0/"):
             sys.exit("boom")
         client, model = openai.OpenAI(), os.environ["GYREJAX_MODEL"]
         task = json.loads(os.environ["GYREJAX_TASK"])
@@ -362,14 +391,18 @@ def test_an_rl_run_with_a_command_agent_trains_while_a_member_crashes(tmp_path):
     c.train.steps, c.rl.group_size = 1, 3
     c.rl.agent, c.rl.agent_command = "command", f"{sys.executable} {agent}"
     c.rl.tasks_path = str(REPO_ROOT / "examples/agents/mini_repo_tasks.jsonl")
+    c.harness.agent_sandbox = AGENT_SANDBOX
     config = from_dict(c)
     summary = Runtime(
         config, split_into_cells(config.cells), init_model(config.model), tmp_path
     ).run()
     assert summary["steps"] == 1
+    assert summary["agent_sandbox"]["used"] == AGENT_SANDBOX
     store = ExecutionStore(tmp_path / "executions")
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     (group,) = row["groups"]
+    assert group == "g1"  # g0 had nothing to train: replaced
+    assert all(e.status == "failed" for e in store.group("g0"))
     executions = store.groups([group])[group]
     statuses = sorted((e.execution_id, e.status) for e in executions)
     assert statuses == [(f"{group}/0", "finished"), (f"{group}/1", "finished"),
@@ -383,6 +416,18 @@ def test_an_rl_run_with_a_command_agent_trains_while_a_member_crashes(tmp_path):
             assert "boom" in e.error and not e.calls
 
 
+def test_an_agent_that_fails_every_execution_ends_the_run_saying_why(tmp_path):
+    c = load_config_file("tiny_cpu", "smoke")
+    c.rl.agent, c.rl.agent_command = "command", "sh -c 'echo cannot find my model >&2; exit 3'"
+    c.rl.tasks_path = str(REPO_ROOT / "examples/agents/mini_repo_tasks.jsonl")
+    c.harness.agent_sandbox = AGENT_SANDBOX
+    config = from_dict(c)
+    runtime = Runtime(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
+    with pytest.raises(NothingToTrain, match=r"4 groups in a row .*exit code 3\ncannot find"):
+        runtime.run()
+    assert len(ExecutionStore(tmp_path / "executions")) >= 4 * c.rl.group_size  # all kept
+
+
 def test_demonstrations_drive_the_users_agent_in_its_own_format(tmp_path, bpe_tokenizer):
     """The warm start of `rl.agent = command` (harness/demonstrations.py): the
     environment's demonstrations drive the example agent itself through a door, so the
@@ -391,6 +436,7 @@ def test_demonstrations_drive_the_users_agent_in_its_own_format(tmp_path, bpe_to
     c = load_config_file("tiny_cpu", "smoke")
     c.model.tokenizer, c.model.vocab_size = str(bpe_tokenizer), 1024
     c.rl.agent = "command"
+    c.harness.agent_sandbox = AGENT_SANDBOX
     c.rl.agent_command = f"{sys.executable} {REPO_ROOT / 'examples/agents/react_agent.py'}"
     config = from_dict(c)
     env = MiniRepoEnv()

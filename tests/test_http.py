@@ -455,3 +455,40 @@ def test_keyless_connections_idle_out_and_are_capped_per_client():
     assert statuses == [b"401", b"200"] and still == b"200"
     assert refused.startswith(b"HTTP/1.1 503") and stats.refused == 1
     assert keyless_closed and stats.idle_closed == 1
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
+    """A long prompt's JSON (issue 40, item 6) is parsed in a worker thread, so it does
+    not hold up other connections; a small one stays on the loop."""
+    from gyrejax.serve import http
+
+    parsed_on = []
+    original = http.parse_json
+
+    def recording(raw):
+        parsed_on.append((len(raw), threading.current_thread() is threading.main_thread()))
+        return original(raw)
+
+    monkeypatch.setattr(http, "parse_json", recording)
+    engine = ScriptedEngine("e", lambda prompt, request: [0])
+
+    async def body():
+        door = OpenAIServer(Proxy([engine]), api_key=ADMIN_KEY, default_max_tokens=1)
+        url = await door.start("127.0.0.1", 0)
+        key = door.open_execution("x")
+        statuses = []
+        async with httpx.AsyncClient(timeout=30) as client:
+            for length in (8, 40_000):  # ~30 bytes vs ~160 KiB of JSON
+                answer = await client.post(
+                    f"{url}/v1/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json={"model": "m", "prompt": [65] * length, "max_tokens": 1},
+                )
+                statuses.append(answer.status_code)
+        await door.stop()
+        return statuses
+
+    assert asyncio.run(body()) == [200, 200]
+    (small, on_loop_small), (large, on_loop_large) = parsed_on
+    assert small <= http.INLINE_JSON_BYTES < large
+    assert on_loop_small and not on_loop_large

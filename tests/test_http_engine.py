@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -256,6 +257,45 @@ def test_vllm_client_names_what_the_server_lacks():
             await server.stop()
         with pytest.raises(EngineError):
             await VllmServerEngine.connect(url, name="v")  # nothing listens there now
+
+    asyncio.run(go())
+
+
+def test_vllm_client_never_reuses_a_connection_the_server_may_be_closing(monkeypatch):
+    """vLLM closes a connection idle 5 s; a POST sent on it at that moment fails with
+    ServerDisconnectedError (aiohttp retries only idempotent methods), and CI once lost a
+    vLLM engine, and every later weight update, to a generate request that did. Frozen
+    in time here: the server drops, unanswered, any request that arrives on a connection
+    idle longer than vLLM's keep-alive. The client must have let that connection go."""
+    import aiohttp.connector
+
+    from gyrejax.serve.vllm_server_engine import VllmServerEngine
+
+    keepalive_s = 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
+    skipped = [0.0]  # simulated idle time, on the client's pool clock and the server's
+    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: time.monotonic() + skipped[0])
+
+    async def connection(reader, writer):
+        last = None
+        while await reader.readuntil(b"\r\n\r\n"):
+            if last is not None and time.monotonic() + skipped[0] - last > keepalive_s:
+                writer.close()  # the server had closed it; the client sent anyway
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            last = time.monotonic() + skipped[0]
+
+    async def go():
+        server = await asyncio.start_server(connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        engine = VllmServerEngine(f"http://127.0.0.1:{port}", name="v", capacity=1, max_seq_len=2)
+        try:
+            assert await engine._vllm("POST", "/resume") == {}
+            skipped[0] = keepalive_s + 0.5
+            assert await engine._vllm("POST", "/resume") == {}  # on a fresh connection
+        finally:
+            await engine.shutdown()
+            server.close()
 
     asyncio.run(go())
 

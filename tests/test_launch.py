@@ -165,7 +165,7 @@ def test_override_of_a_field_the_config_file_leaves_out_names_it(tmp_path):
         (  # a GPU config on JAX's CPU build
             ["--config.cells.platform=gpu"],
             "config.cells.platform=gpu: JAX runs on cpu, not gpu: install JAX's GPU build "
-            "with pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; README: On GPUs)",
+            "with pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; docs/gpus.md)",
         ),
     ],
 )

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, load_config_file, read_jsonl
+from conftest import REPO_ROOT, check_tensorboard_holds, load_config_file, read_jsonl
 from test_trajectory_store import rewrite_header, set_field
 
 from gyrejax.cells import split_into_cells
@@ -19,6 +19,7 @@ from gyrejax.model.hf_io import load_hf
 from gyrejax.model.transformer import init_model
 from gyrejax.train.loop import train_on_store
 from gyrejax.trajectory import ExecutionStore, generate_executions
+from gyrejax.writers import Writers
 
 
 def launch(workdir, *overrides):
@@ -86,8 +87,9 @@ def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_expor
 ):
     """A kill after step 3's metrics row but before its checkpoint (and mid-way through
     the next row and through step 2's export): the resumed run writes each step once,
-    re-exports step 2, and trains around two bad records, counting them per step. A
-    resume under another `model.tokenizer` is refused before any step."""
+    to metrics.jsonl and to TensorBoard (issue 41: one point per step, the resumed
+    run's), re-exports step 2, and trains around two bad records, counting them per
+    step. A resume under another `model.tokenizer` is refused before any step."""
     store = ExecutionStore(tmp_path / "store")
     executions = generate_executions(
         3, 2, seed=0, turns=(3, 6), vocab_size=264, system_prompt_tokens=20, task_tokens=(5, 10),
@@ -110,14 +112,19 @@ def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_expor
     c.train.executions_dir = str(tmp_path / "store")
     c.train.steps, c.checkpoint.every_steps, c.rl.groups_per_step = 2, 1, 2
     c.rl.loss = "sft"
+    c.logging.writers = ("jsonl", "tensorboard")
     work = tmp_path / "work"
     config = from_dict(c)
     cells = split_into_cells(config.cells)
     train_on_store(config, cells, init_model(config.model), work)
+    check_tensorboard_holds(work, "metrics", ("loss", "tokens", "bad_records"))
 
     metrics = work / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 3, "groups": "from the killed run"}\n{"step": 4, "lo')
+    with Writers(config, work, resumed_at=2) as killed_runs:  # and its points
+        for step in (3, 4):
+            killed_runs.write("metrics", {"step": step, "loss": 1e3, "tokens": 0}, step)
     (work / "hf" / "step_2" / "config.json").unlink()
     c.train.steps = 3
     config = from_dict(c)
@@ -126,6 +133,7 @@ def test_resume_drops_redone_rows_leaves_bad_records_out_and_completes_the_expor
     rows = read_jsonl(metrics)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all("groups" not in r for r in rows)  # the killed run's step 3 row is gone
+    check_tensorboard_holds(work, "metrics", ("loss", "tokens", "bad_records"))
     # Groups cycle g0 g1 | g2 g0 | g1 g2: g0 holds the store's bad record, g1 the refused one.
     assert [r["bad_records"] for r in rows] == [2, 1, 1]
     assert load_hf(work / "hf" / "step_2").config.num_layers == 1

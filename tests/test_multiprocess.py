@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, call_logprobs, load_config_file, read_jsonl
+from conftest import (
+    REPO_ROOT,
+    call_logprobs,
+    check_tensorboard_holds,
+    load_config_file,
+    read_jsonl,
+)
 
 from gyrejax.cells import split_into_cells
 from gyrejax.config import CellsConfig, RLConfig
@@ -278,6 +284,7 @@ def test_rl_across_two_processes_through_launch(tmp_path):
         "--config.train.steps=3", "--config.scheduler.max_staleness=1",
         "--config.train.rows_per_micro_step=1", "--config.warmup.steps=1",
         "--config.warmup.demonstrations=8", "--config.warmup.groups_per_step=4",
+        "--config.logging.writers=('jsonl','tensorboard')",
     ]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu", LOG_DIR=str(logs))
     env.pop("GYREJAX_ENGINE_TOKEN", None)  # the job draws its own
@@ -327,6 +334,13 @@ def test_rl_across_two_processes_through_launch(tmp_path):
     assert any((workdir / "published").glob("version_*/config.json"))
     publishes = [t for t in read_jsonl(workdir / "transitions.jsonl") if t["kind"] == "publish"]
     assert len(publishes) == 3 and all(p["engines"] == 1 for p in publishes)
+    # The trackers (issue 41) get the RL steps, the transitions and the warm start's SFT
+    # steps, from process 0 alone: one event file each.
+    check_tensorboard_holds(workdir, "metrics", ("loss", "step_s"))
+    check_tensorboard_holds(workdir, "transitions", ("time_s",))
+    check_tensorboard_holds(workdir / "warmup", "metrics", ("loss", "step_s"))
+    for run in (workdir, workdir / "warmup"):
+        assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
     assert "cell 3: serving engine cell3" in follower_log
 
     # Version-0 tokens were sampled with the warm-started weights wherever they ran, on

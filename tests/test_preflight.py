@@ -168,7 +168,7 @@ def test_check_devices_refuses_vllm_on_gpus_with_jaxs_defaults(monkeypatch):
     [
         ({"cells": {"platform": "gpu"}}, "cpu",
          "config.cells.platform=gpu: JAX runs on cpu, not gpu: install JAX's GPU build with "
-         "pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; README: On GPUs)"),
+         "pip install -e '.[gpu]' (NVIDIA driver >= 580, CUDA 13; docs/gpus.md)"),
         ({"cells": {"platform": "cpu"}}, "gpu",
          "config.cells.platform=cpu: JAX runs on gpu, not cpu"),
         ({"model": {"attention": "pallas", "dtype": "bfloat16", "head_dim": 64,

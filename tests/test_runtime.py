@@ -16,7 +16,15 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ENGINE_TOKEN, REPO_ROOT, load_config_file, read_jsonl, start_engine_server
+from conftest import (
+    ENGINE_TOKEN,
+    REPO_ROOT,
+    check_tensorboard_holds,
+    load_config_file,
+    read_jsonl,
+    start_engine_server,
+    tensorboard_series,
+)
 from flax import nnx
 from test_evaluation import check_evaluations, record_trained_ids, with_evaluations
 from test_trajectory_store import rewrite_header, set_field
@@ -47,6 +55,7 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
         c.train.row_length = 128  # a call is ~100 or ~250 tokens, max_seq_len 640
         c.train.row_lengths = (640,)
         with_evaluations(c)  # and held-out evaluation (test_evaluation.py checks it)
+        c.logging.writers = ("jsonl", "tensorboard")  # and a tracker (check_trackers)
     config = from_dict(c)
     runtime = Runtime(config, split_into_cells(config.cells), init_model(config.model), tmp_path)
     trained_ids = record_trained_ids(runtime)
@@ -54,6 +63,7 @@ def test_baseline_policies_run_their_steps(tmp_path, policy):
     assert summary["steps"] == 2 and summary["policy"] == policy
     if policy == "colocate":
         check_evaluations(tmp_path, runtime, summary, trained_ids)
+        check_trackers(tmp_path)
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2]
     lengths = {length for s in steps for _, length in s["shapes"]}  # the rows trained
@@ -143,6 +153,7 @@ def launch(workdir, steps):
             sys.executable, "-m", "gyrejax.launch", "--config", "configs/tiny_cpu.py:smoke",
             "--workdir", str(workdir), f"--config.train.steps={steps}",
             "--config.checkpoint.every_steps=1",
+            "--config.logging.writers=('jsonl','tensorboard')",
         ],
         cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
@@ -200,6 +211,10 @@ def test_kill_and_resume_through_launch(tmp_path):
     dispatched = [d["group"] for d in read_jsonl(tmp_path / "dispatch.jsonl")]
     assert len(dispatched) == len(set(dispatched)) and set(trained) <= set(dispatched)
     assert read_jsonl(tmp_path / "transitions.jsonl")
+    # TensorBoard too (issue 41): each step once, the first run's up to the checkpoint,
+    # then the second's; every transition once, the first run's before the second's.
+    check_tensorboard_holds(tmp_path, "metrics", ("loss", "step_s"))
+    check_tensorboard_holds(tmp_path, "transitions", ("time_s",))
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["steps"] == 8
     assert summary["overcommitted_leaves"] == 0  # elastic, scheduler.elastic_overcommit 0
@@ -350,3 +365,17 @@ def test_published_weights_are_this_runs_never_an_earlier_runs(tmp_path):
     pure = lambda model: nnx.to_pure_dict(nnx.state(model))
     jax.tree.map(np.testing.assert_array_equal, pure(load_hf(first)), pure(now))
     assert not (tmp_path / "version_4").exists()  # the earlier run's later version is gone
+
+
+def check_trackers(workdir):
+    """logging.writers=tensorboard (issue 41): the event files, read back with
+    TensorBoard's own EventAccumulator, give metrics.jsonl's reward and loss series, and
+    the evaluations' and transitions' records are there too."""
+    check_tensorboard_holds(workdir, "metrics", ("reward", "loss"))
+    series, events = tensorboard_series(workdir / "tensorboard")
+    evaluations = read_jsonl(workdir / "eval.jsonl")
+    tags = events.Tags()["scalars"]
+    assert len(series("eval/greedy_pass_at_1")) == len(evaluations) > 0, tags
+    assert read_jsonl(workdir / "transitions.jsonl")
+    check_tensorboard_holds(workdir, "transitions", ("time_s",))
+    assert "config/text_summary" in events.Tags()["tensors"]  # the config, as text

@@ -14,6 +14,7 @@ from flax import nnx
 from gyrejax.cells import split_into_cells
 from gyrejax.config import (
     ADVANTAGE_STDS,
+    REWARD_SHAPINGS,
     CellsConfig,
     CheckpointConfig,
     ConfigError,
@@ -56,21 +57,27 @@ def test_same_dtype_updates_of_a_bfloat16_model_are_refused_unless_allowed():
         from_dict({"train": {"allow_low_precision_updates": "yes"}})
 
 
-# --- rl.advantage_std ---------------------------------------------------------------------
+# --- rl.advantage_std, rl.reward_shaping ---------------------------------------------------
 
 
-def test_advantage_std_defaults_to_unbiased_and_reaches_process():
+@pytest.mark.parametrize(
+    "field, names, default, other",
+    [
+        ("advantage_std", ADVANTAGE_STDS, "unbiased", "population"),
+        ("reward_shaping", REWARD_SHAPINGS, "as_is", "pass"),
+    ],
+)
+def test_advantage_settings_have_their_defaults_and_reach_process(field, names, default, other):
     config = from_dict({})
-    assert config.rl.advantage_std == "unbiased"
-    assert ADVANTAGE_STDS == tuple(advantages.ADVANTAGE_STDS)  # the config's, the estimator's
-    assert process_options(config, 0)["advantage_std"] == "unbiased"
-    population = from_dict({"rl": {"advantage_std": "population"}})
-    assert process_options(population, 0)["advantage_std"] == "population"
+    assert getattr(config.rl, field) == default
+    assert names == tuple(getattr(advantages, field.upper() + "S"))  # the config's, process's
+    assert process_options(config, 0)[field] == default
+    assert process_options(from_dict({"rl": {field: other}}), 0)[field] == other
+    expected = ", ".join(names)
     with pytest.raises(
-        ConfigError,
-        match=r"^config\.rl\.advantage_std='ddof1': expected one of unbiased, population$",
+        ConfigError, match=rf"^config\.rl\.{field}='ddof1': expected one of {expected}$"
     ):
-        from_dict({"rl": {"advantage_std": "ddof1"}})
+        from_dict({"rl": {field: "ddof1"}})
 
 
 # --- AdamW's weight decay mask ------------------------------------------------------------

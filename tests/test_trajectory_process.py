@@ -5,6 +5,8 @@ the packed mask gives that token (keys visible to its pred_index query, in row o
 and checks that it is exactly the prompt + output prefix of a call that generated it.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -244,6 +246,24 @@ def test_advantage_std_reaches_the_estimator():
     assert np.abs(population.execution_advantage - unbiased).max() > 1e-3
     with pytest.raises(ValueError, match=r"advantage_std must be one of unbiased, population"):
         process(exs, row_length=96, advantage_std="ddof1")
+
+
+def test_pass_shaping_gives_partial_credit_no_advantage():
+    """reward_shaping="pass": the estimator sees 1 for a reward of 1 (every check) and 0
+    for anything less, so a group of partial rewards without a pass has no advantage;
+    the batch still reports each execution's own reward."""
+    exs = small_synthetic(4)
+    partial = [1.0, 0.5, 0.9, 0.0, 1.0, 0.99]
+    exs = [dataclasses.replace(ex, reward=partial[i % len(partial)]) for i, ex in enumerate(exs)]
+    passes = [dataclasses.replace(ex, reward=float(ex.reward >= 1.0)) for ex in exs]
+    batch = process(exs, row_length=96, vocab_size=40, reward_shaping="pass")
+    check_advantages(batch, passes)
+    as_is = process(exs, row_length=96, vocab_size=40)
+    assert np.abs(as_is.execution_advantage - batch.execution_advantage).max() > 0.1
+    by_id = {ex.execution_id: ex.reward for ex in exs}
+    np.testing.assert_allclose(batch.execution_reward, [by_id[i] for i in batch.execution_ids])
+    with pytest.raises(ValueError, match=r"reward shaping 'binary'; expected one of as_is, pass"):
+        process(exs, row_length=96, vocab_size=40, reward_shaping="binary")
 
 
 def small_synthetic(seed, **kw):

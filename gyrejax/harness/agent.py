@@ -40,6 +40,7 @@ from gyrejax.config import HarnessConfig
 from gyrejax.harness.chat import ByteChat
 from gyrejax.harness.envs import EvaluationError, get_environment
 from gyrejax.harness.workspace import Workspace
+from gyrejax.harness.workspace_quota import WorkspaceQuota
 from gyrejax.rollout.proxy import Proxy
 from gyrejax.rollout.types import SamplingParams
 from gyrejax.trajectory import Execution
@@ -98,6 +99,7 @@ class Harness:
             environment = get_environment(config.environment, sandbox=config.sandbox)
         self.env = environment
         self.chat = chat if chat is not None else ByteChat()
+        self.quota = WorkspaceQuota(self.workdir, config.workspace_bytes, config.workspace_inodes)
 
     # --- executions -----------------------------------------------------------------------
 
@@ -115,20 +117,26 @@ class Harness:
         """Runs one execution to its end and returns its record (never raises for agent
         or tool behaviour)."""
         self.proxy.dispatch(execution_id)
-        workspace = Workspace(self.workdir / workspace_name(execution_id))
-        run = _Run(execution_id, task, workspace, seed)
-        status = "finished"
+        root = self.workdir / workspace_name(execution_id)
+        self.quota.open(root)
         try:
-            async with asyncio.timeout(self.config.timeout_s):
-                await self._agent(run, "main", self.config.max_turns)
-        except TimeoutError:
-            status = "timed_out"
-            logging.info("execution %s timed out after %.0f s", execution_id, self.config.timeout_s)
-        except _OutOfTurns:
-            status = "timed_out"
+            run = _Run(execution_id, task, Workspace(root), seed)
+            status = "finished"
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self._agent(run, "main", self.config.max_turns)
+            except TimeoutError:
+                status = "timed_out"
+                logging.info(
+                    "execution %s timed out after %.0f s", execution_id, self.config.timeout_s
+                )
+            except _OutOfTurns:
+                status = "timed_out"
+            finally:
+                self.proxy.cancel_execution(execution_id)
+            reward, status, attempts = await self._score(run, status)
         finally:
-            self.proxy.cancel_execution(execution_id)
-        reward, status, attempts = await self._score(run, status)
+            await self.quota.close(root)
         return Execution(
             execution_id=execution_id,
             task_id=task.task_id,

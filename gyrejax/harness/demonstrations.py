@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyrejax import progress
 from gyrejax.config import Config, HarnessConfig
 from gyrejax.harness.agent import SUB_SYSTEM, Harness
 from gyrejax.harness.chat import ByteChat
@@ -64,7 +65,7 @@ async def demonstration_executions(
         harness.run_execution(task, execution_id, group_id=execution_id, seed=i)
         for i, (execution_id, task) in enumerate(zip(scripts, tasks, strict=True))
     ]
-    return list(await asyncio.gather(*runs))
+    return await progress.gather(runs, progress.Progress("demonstrations", len(runs), "executions"))
 
 
 async def command_demonstrations(
@@ -77,8 +78,10 @@ async def command_demonstrations(
     quality: float,
     chat,
     concurrency: int = 8,
+    run_dirs: tuple[Path, ...] = (),
 ) -> list[Execution]:
-    """One scored demonstration per task by the user's own agent (`rl.agent = command`).
+    """One scored demonstration per task by the user's own agent (`rl.agent = command`);
+    sandboxed agents do not see `run_dirs` (the run's workdir).
 
     The agent runs as in RL, through a door whose model is the environment's
     demonstrator: its answers are the demonstration's actions as tool calls in `chat`'s
@@ -99,7 +102,7 @@ async def command_demonstrations(
         return chat.answer(remaining.pop(0) if remaining else "done")
 
     proxy = Proxy([ScriptedEngine("demonstrator", respond)])
-    agents = await start_command_agents(config, proxy, chat, workdir, env)
+    agents = await start_command_agents(config, proxy, chat, workdir, env, run_dirs)
     slots = asyncio.Semaphore(concurrency)  # one agent process each
 
     async def run(i: int, execution_id: str, task) -> Execution:
@@ -108,6 +111,7 @@ async def command_demonstrations(
 
     runs = [run(i, e, t) for i, (e, t) in enumerate(zip(scripts, tasks, strict=True))]
     try:
-        return list(await asyncio.gather(*runs))
+        counter = progress.Progress("demonstrations", len(runs), "executions")
+        return await progress.gather(runs, counter)
     finally:
         await agents.door.stop()

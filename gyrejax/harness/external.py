@@ -3,7 +3,10 @@ run's OpenAI door (`rl.agent = command`).
 
 For each execution, `CommandAgents.run_execution` opens the execution on the door
 (`OpenAIServer.open_execution`: its own key), starts `rl.agent_command` (shell-split)
-in the execution's workspace, in its own process group, with
+in the execution's workspace, in a sandbox of its own (`harness.agent_sandbox`,
+harness/agent_sandbox.py: the door reached through the execution's own unix socket,
+the run's workdir hidden; or, with "none", beside the run in its own process group),
+with
 
   OPENAI_BASE_URL    http://127.0.0.1:PORT/v1, the door (served by the runtime itself)
   OPENAI_API_KEY     the execution's own key
@@ -19,36 +22,49 @@ with the door's X-Gyrejax-Agent / X-Gyrejax-Role headers. Then:
   * exit 0: scored by the environment's verifier on the workspace (`rl.reward =
     environment`, as the built-in harness scores) or by the `reward.json` the agent
     wrote there (`rl.reward = agent`: {"reward": x});
-  * past `harness.timeout_s`: the whole process group is killed; `timed_out`, scored
-    like an exit;
+  * past `harness.timeout_s`: the whole sandbox (or process group) is killed;
+    `timed_out`, scored like an exit;
   * non-zero exit (or, with `rl.reward = agent`, no readable reward.json): `failed`,
     with the stderr tail in the record's `error`; never trained, never stops the run.
 
 stdout and stderr go to `<workdir>/<workspace name>.out` / `.err`, beside the
 workspace, not in it (they are not artifacts). Agents inherit the runtime's
-environment minus the run's own secrets.
+environment minus the run's own secrets (sandboxed: HOME is the workspace, TMPDIR its
+private /tmp).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import json
 import math
 import os
 import secrets
 import shlex
-import signal
+import shutil
 import subprocess
+import tempfile
+import urllib.parse
+import weakref
 from pathlib import Path
 
 from absl import logging
 
-from gyrejax.config import Config
+from gyrejax.config import AGENT_SANDBOXES, Config
 from gyrejax.harness.agent import score_workspace, workspace_name
+from gyrejax.harness.agent_sandbox import (
+    AGENT_SANDBOX_WARNING,
+    AgentProcess,
+    SandboxedAgent,
+    agent_argv,
+)
+from gyrejax.harness.cgroups import ExecutionCgroup
 from gyrejax.harness.chat import HfChat
+from gyrejax.harness.sandbox import choose_sandbox, give_to_sandbox
 from gyrejax.harness.tasks import FileTask, task_json
 from gyrejax.harness.workspace import Workspace
+from gyrejax.harness.workspace_quota import WorkspaceQuota
 from gyrejax.serve.chat import ByteChatTemplate
 from gyrejax.serve.http import API_KEY_ENV, ENGINE_TOKEN_ENV
 from gyrejax.serve.openai_server import OpenAIServer
@@ -70,9 +86,21 @@ class CommandAgents:
       workdir: workspaces live in `workdir/<workspace name>`.
       environment: scores workspaces (`reward = "environment"`).
       reward: "environment" or "agent".
-      timeout_s: wall clock per execution; then the process group is killed.
+      timeout_s: wall clock per execution; then everything the agent started is killed.
       eval_retry_budget: evaluation attempts before `eval_failed`.
       model_name: GYREJAX_MODEL.
+      agent_sandbox: "bwrap" (each agent in its own sandbox, harness/agent_sandbox.py)
+        or "none" (beside the run: trusted agents only).
+      hidden: what sandboxed agents must not see besides `workdir` (the run's workdir,
+        the task file).
+      max_processes, memory_bytes: an agent tree's processes and memory (in cgroups of
+        its own, harness/cgroups.py, where the run is root; memory_bytes also bounds
+        each sandboxed process's address space).
+      file_bytes, tmp_bytes: a sandboxed agent's file size and its private /tmp's size.
+      workspace_bytes, workspace_inodes: each workspace's quota (workspace_quota.py).
+
+    Raises:
+      SandboxUnavailable: agent_sandbox="bwrap" and bubblewrap does not work here.
     """
 
     def __init__(
@@ -87,9 +115,33 @@ class CommandAgents:
         timeout_s: float = 600.0,
         eval_retry_budget: int = 3,
         model_name: str = "gyrejax",
+        agent_sandbox: str = "bwrap",
+        hidden: tuple[Path, ...] = (),
+        max_processes: int = 512,
+        memory_bytes: int = 4 << 30,
+        file_bytes: int = 256 << 20,
+        tmp_bytes: int = 256 << 20,
+        workspace_bytes: int = 64 << 20,
+        workspace_inodes: int = 4096,
     ):
         if reward not in ("environment", "agent"):
             raise ValueError(f"reward={reward!r}: expected 'environment' or 'agent'")
+        if agent_sandbox not in AGENT_SANDBOXES:
+            raise ValueError(f"agent_sandbox={agent_sandbox!r}: expected one of {AGENT_SANDBOXES}")
+        self.bwrap = None
+        if agent_sandbox == "bwrap":
+            self.bwrap = choose_sandbox("bwrap").bwrap  # raises SandboxUnavailable
+            # Each execution's own door socket: a short path (a unix socket's is at most
+            # 107 bytes), private to the run, gone with this object.
+            self._sockets = Path(tempfile.mkdtemp(prefix="gyrejax-doors-"))
+            weakref.finalize(self, shutil.rmtree, self._sockets, ignore_errors=True)
+        else:
+            logging.warning("%s", AGENT_SANDBOX_WARNING)
+        self._opened = itertools.count()
+        self.hidden = tuple(Path(os.path.realpath(p)) for p in (workdir, *hidden))
+        self.limits = dict(memory_bytes=memory_bytes, file_bytes=file_bytes, tmp_bytes=tmp_bytes)
+        self.quota = WorkspaceQuota(workdir, workspace_bytes, workspace_inodes)
+        self.max_processes = max_processes
         self.door = door
         self.base_url = base_url.rstrip("/") + "/v1"
         self.command = list(command)
@@ -107,22 +159,31 @@ class CommandAgents:
         del seed
         key = self.door.open_execution(execution_id, task.task_id, group_id, owned=True)
         name = workspace_name(execution_id)
-        workspace = Workspace(self.workdir / name)
         logs = self.workdir / name
         try:
-            status, error = await self._run_process(task, execution_id, key, workspace, logs)
+            self.quota.open(self.workdir / name)
+            workspace = Workspace(self.workdir / name)
+            socket = None
+            if self.bwrap is not None:
+                socket = self._sockets / f"{next(self._opened)}.sock"
+                await self.door.serve_execution_socket(execution_id, socket)
+            status, error = await self._run_process(
+                task, execution_id, key, workspace, logs, socket
+            )
+            reward, attempts = None, 0
+            if status != "failed":
+                reward, status, attempts, error = await self._reward(
+                    task, execution_id, workspace, status, error
+                )
         except BaseException:  # cancelled (the run ends): the door forgets it, unstored
             await self.door.close_execution(execution_id, "timed_out")
             raise
-        reward, attempts = None, 0
-        if status != "failed":
-            reward, status, attempts, error = await self._reward(
-                task, execution_id, workspace, status, error
-            )
+        finally:
+            await self.quota.close(self.workdir / name)
         return await self.door.close_execution(execution_id, status, reward, attempts, error)
 
     async def _run_process(
-        self, task, execution_id: str, key: str, workspace: Workspace, logs: Path
+        self, task, execution_id: str, key: str, workspace: Workspace, logs: Path, socket
     ) -> tuple[str, str]:
         """Starts the agent and waits: ("finished" | "timed_out" | "failed", error)."""
         env = {k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}
@@ -134,33 +195,44 @@ class CommandAgents:
             GYREJAX_MODEL=self.model_name,
             GYREJAX_EXECUTION=execution_id,
         )
+        if self.bwrap is None:
+            agent = AgentProcess()
+            argv_for = lambda _: self.command
+        else:  # the same URL inside: the forwarder listens on the door's port there
+            agent = SandboxedAgent()
+            env.update(HOME=str(workspace.root), TMPDIR="/tmp")
+            root = Path(os.path.realpath(workspace.root))
+            if os.geteuid() == 0:
+                give_to_sandbox(root)  # agent code runs as uid 65534
+            port = urllib.parse.urlsplit(self.base_url).port
+            argv_for = lambda info_fd: agent_argv(
+                self.bwrap, self.command, root, socket, port, hidden=self.hidden,
+                info_fd=info_fd, **self.limits,
+            )  # fmt: skip
+        cgroup = ExecutionCgroup.create(self.max_processes, self.limits["memory_bytes"])
         err_path = logs.with_name(logs.name + ".err")
         with open(logs.with_name(logs.name + ".out"), "wb") as out, open(err_path, "wb") as err:
             try:
-                process = await asyncio.create_subprocess_exec(
-                    *self.command,
+                process = await agent.start(
+                    lambda info_fd: cgroup.join_argv(argv_for(info_fd)),
                     cwd=workspace.root,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
-                    start_new_session=True,  # its own process group: killed whole
                 )
             except OSError as e:  # not found, not executable: the agent's failure
+                await asyncio.to_thread(cgroup.remove)
                 return "failed", f"cannot start {self.command[0]!r}: {e}"
             try:
                 async with asyncio.timeout(self.timeout_s):
                     code = await process.wait()
             except TimeoutError:
                 logging.info("agent of %s timed out after %.0f s", execution_id, self.timeout_s)
-                _kill_group(process.pid)
-                await process.wait()
                 return "timed_out", ""
             finally:  # also on cancellation; and what it left running after it exited
-                _kill_group(process.pid)
-                if process.returncode is None:
-                    with contextlib.suppress(BaseException):
-                        await asyncio.shield(process.wait())
+                await agent.kill()
+                await asyncio.to_thread(cgroup.remove)  # and what left its group
         if code != 0:
             tail = _tail(err_path)
             logging.warning("agent of %s exited with %d: %s", execution_id, code, tail[-200:])
@@ -185,10 +257,11 @@ class CommandAgents:
 
 
 async def start_command_agents(
-    config: Config, proxy, chat, workdir: str | Path, environment
+    config: Config, proxy, chat, workdir: str | Path, environment, run_dirs=()
 ) -> CommandAgents:
     """`rl.agent_command`'s agents behind a new OpenAI door on `proxy`, served on
-    loopback (stop it with `agents.door.stop()`), in `chat`'s template."""
+    loopback (stop it with `agents.door.stop()`), in `chat`'s template; sandboxed
+    agents see neither `run_dirs` (the run's workdir) nor the task file."""
     model_name = Path(config.model.hf_checkpoint).name or "gyrejax"
     door = OpenAIServer(
         proxy,
@@ -203,6 +276,7 @@ async def start_command_agents(
         max_prompt_tokens=4 * max(config.rollout.max_seq_len, *config.train.all_row_lengths),
     )
     url = await door.start("127.0.0.1", 0)
+    hidden = (Path(config.rl.tasks_path),) if config.rl.tasks_path else ()
     return CommandAgents(
         door,
         url,
@@ -213,12 +287,15 @@ async def start_command_agents(
         timeout_s=config.harness.timeout_s,
         eval_retry_budget=config.harness.eval_retry_budget,
         model_name=model_name,
+        agent_sandbox=config.harness.agent_sandbox,
+        hidden=(*hidden, *run_dirs),
+        max_processes=config.harness.agent_max_processes,
+        memory_bytes=config.harness.agent_memory_bytes,
+        file_bytes=config.harness.agent_file_bytes,
+        tmp_bytes=config.harness.agent_tmp_bytes,
+        workspace_bytes=config.harness.workspace_bytes,
+        workspace_inodes=config.harness.workspace_inodes,
     )
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def _tail(path: Path) -> str:

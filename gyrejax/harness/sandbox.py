@@ -59,8 +59,9 @@ audit event (cffi's libc `system()`), a symlink swapped between the hook's check
 open, code that rebinds the hook's helpers through `gc`/frame introspection or rebuilds
 an extension module (`importlib.util.module_from_spec` on `_posixsubprocess` or `posix`)
 gets around it; and there is no network namespace. Under both: reads anywhere the OS lets
-the sandbox's user read are permitted; there is no disk quota beyond the per-file size
-(many files can fill the workspace's disk). Under the guard alone a root caller's
+the sandbox's user read are permitted; the workspace's own bytes and inodes are the
+caller's to bound (workspace_quota.py: a tmpfs per workspace under root; otherwise many
+files can fill its disk). Under the guard alone a root caller's
 RLIMIT_NPROC is not enforced (under bubblewrap agent code is uid 65534, see below).
 
 Running as root. A user namespace made by root maps the sandbox's user to uid 0 outside,
@@ -76,7 +77,6 @@ on the way to the interpreter or the workspace that uid 65534 may not enter (pye
 /root, mode 0700; pytest's temp tree) are covered by an empty read-only tmpfs with just
 those two bound back. What this leaves: a user namespace of its own, as any local user
 may make one (bubblewrap's `--disable-userns` needs a user namespace of ours).
-Workspace bytes and inodes are bounded only by the per-file size limit.
 """
 
 from __future__ import annotations
@@ -240,9 +240,9 @@ def _probe_bwrap(path: str) -> str | None:
         if os.geteuid() == 0:
             if shutil.which(_SETPRIV, path=_SAFE_PATH) is None:
                 return f"running as root needs {_SETPRIV} (util-linux) to drop to uid 65534"
-            _give_to_sandbox(root)
+            give_to_sandbox(root)
         argv = [
-            *_bwrap_argv(path, root, info_fd=None),
+            *bwrap_argv(path, root, info_fd=None),
             sys.executable, "-I", "-S", "-c", "open('probe', 'w').write('ok')",
         ]  # fmt: skip
         try:
@@ -272,8 +272,26 @@ def _can_disable_userns(bwrap: str) -> bool:
     return b"--disable-userns" in done.stdout + done.stderr
 
 
-def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
-    """bubblewrap's command line for a sandbox whose only writable place is `root`."""
+def bwrap_argv(
+    bwrap: str,
+    root: Path,
+    info_fd: int | None,
+    *,
+    visible: tuple[Path, ...] = (),
+    hidden: tuple[Path, ...] = (),
+    blanked: tuple[Path, ...] = (),
+    door: tuple[Path, str] | None = None,
+    tmp_bytes: int | None = None,
+) -> list[str]:
+    """bubblewrap's command line for a sandbox whose only writable place is `root`.
+
+    The defaults are `run_python`'s profile. An external agent's (harness/agent_sandbox.py)
+    adds: `visible`, paths bound back read-only under anything hidden (its command's
+    files, the virtualenv); `hidden`, directories covered by an empty read-only tmpfs
+    (the run's workdir: the store, checkpoints, other workspaces); `blanked`, files
+    covered by an empty one (the task file); `door`, (a unix socket here, where it
+    appears inside); `tmp_bytes`, a private writable /tmp of that size.
+    """
     as_root = os.geteuid() == 0
     if as_root:  # host uid 65534 (setpriv, after the mounts): no user namespace to map
         identity = []
@@ -284,8 +302,13 @@ def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
         ]  # fmt: skip
     # Under root, the directories uid 65534 cannot enter on the way to the interpreter
     # and the workspace (e.g. /root, mode 0700, holding pyenv) are covered by an empty,
-    # read-only tmpfs with just those two bound back: the rest of them stays unseen.
-    hidden = _closed_ancestors([Path(sys.base_prefix), root]) if as_root else []
+    # read-only tmpfs with just those bound back: the rest of them stays unseen.
+    readable = [Path(sys.base_prefix), *visible]
+    closed = _closed_ancestors([*readable, root]) if as_root else []
+    covered = _outermost([*closed, *hidden])
+    tmp = [Path("/tmp")] if tmp_bytes is not None else []
+    under = _outermost([*covered, *tmp])  # where bound paths need directories made
+    masked = [path for path in covered if not _below(path, tmp)]  # own read-only tmpfs
     argv = [
         bwrap,
         *identity,
@@ -305,11 +328,27 @@ def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/run",
-        *[arg for path in hidden for arg in ("--tmpfs", str(path))],
-        *_open_directories(hidden, [Path(sys.base_prefix), root]),
-        *(["--ro-bind", sys.base_prefix, sys.base_prefix] if hidden else []),
+        *(["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"] if tmp else []),
+        *[arg for path in masked for arg in ("--tmpfs", str(path))],
+        *_open_directories(under, [*readable, root]),
+        *[
+            arg
+            for path in readable
+            if _below(path, under) and not _below(path, [root])
+            for arg in ("--ro-bind", str(path), str(path))
+        ],
         "--bind", str(root), str(root),
-        *[arg for path in hidden for arg in ("--remount-ro", str(path))],
+        *[
+            arg
+            for path in blanked
+            if not _below(path, under) or _below(path, readable)  # else unseen anyway
+            for arg in ("--ro-bind", "/dev/null", str(path))
+        ],
+        # A socket on a read-only mount still connects (only files, directories and
+        # links are write-protected by one).
+        *(["--perms", "0755", "--dir", str(Path(door[1]).parent)] if door else []),
+        *(["--ro-bind", str(door[0]), door[1]] if door else []),
+        *[arg for path in masked for arg in ("--remount-ro", str(path))],
         # /proc read-only as a whole: bubblewrap covers /proc/sys and /proc/sysrq-trigger
         # only where the sandbox user cannot already write them, and under a root caller
         # it can (the kernel sees uid 0), so a sysctl such as kernel.core_pattern would
@@ -328,19 +367,31 @@ def _bwrap_argv(bwrap: str, root: Path, info_fd: int | None) -> list[str]:
     return argv
 
 
+def _below(path: Path, tops: list[Path]) -> bool:
+    """Whether `path` is one of `tops` or lies under one."""
+    return any(path == top or top in path.parents for top in tops)
+
+
+def _outermost(paths: list[Path]) -> list[Path]:
+    """`paths` without those under another of them, outermost first."""
+    paths = sorted(set(paths), key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for path in paths:
+        if not _below(path, kept):
+            kept.append(path)
+    return kept
+
+
 def _closed_ancestors(paths: list[Path]) -> list[Path]:
     """For each path, its outermost ancestor that uid 65534 may not enter (no o+x), if
     any; each once, outermost first."""
     closed: list[Path] = []
     for path in paths:
         for ancestor in reversed(path.parents):
-            if ancestor == Path("/"):
-                continue
-            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-                if not any(ancestor == c or c in ancestor.parents for c in closed):
-                    closed.append(ancestor)
+            if ancestor != Path("/") and not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                closed.append(ancestor)
                 break
-    return sorted(closed, key=lambda p: len(p.parts))
+    return _outermost(closed)
 
 
 def _open_directories(hidden: list[Path], targets: list[Path]) -> list[str]:
@@ -355,7 +406,7 @@ def _open_directories(hidden: list[Path], targets: list[Path]) -> list[str]:
     return args
 
 
-def _give_to_sandbox(root: Path) -> None:
+def give_to_sandbox(root: Path) -> None:
     """Under a root caller: the workspace tree owned by uid 65534, so agent code (which
     runs as it) can write there; links are changed, never followed."""
     uid = gid = int(_SANDBOX_ID)
@@ -684,9 +735,9 @@ def run_python(
     info_read = info_write = None
     if choice.used == "bwrap":
         if os.geteuid() == 0:
-            _give_to_sandbox(root)
+            give_to_sandbox(root)
         info_read, info_write = os.pipe()
-        args = _bwrap_argv(choice.bwrap, root, info_write) + args
+        args = bwrap_argv(choice.bwrap, root, info_write) + args
         pass_fds.append(info_write)
     env = {
         "PATH": _SAFE_PATH,
@@ -721,8 +772,8 @@ def run_python(
     init_pid = init_pidfd = None
     try:
         if info_read is not None:
-            init_pid = _read_init_pid(info_read, deadline)
-            init_pidfd = None if init_pid is None else _open_init(proc, init_pid)
+            init_pid = read_init_pid(info_read, deadline)
+            init_pidfd = None if init_pid is None else open_init(proc, init_pid)
         stdout, stderr, timed_out = _collect(proc, deadline, limits.max_output_bytes)
     finally:
         _end(proc, init_pidfd)
@@ -748,7 +799,7 @@ def run_python(
     )
 
 
-def _read_init_pid(info_read: int, deadline: float) -> int | None:
+def read_init_pid(info_read: int, deadline: float) -> int | None:
     """The pid of bubblewrap's init (PID 1 of the sandbox's PID namespace), or None.
 
     bubblewrap writes JSON to its info fd once the namespaces exist and then closes it; it
@@ -771,7 +822,7 @@ def _read_init_pid(info_read: int, deadline: float) -> int | None:
         return None
 
 
-def _open_init(proc: subprocess.Popen, pid: int) -> int | None:
+def open_init(proc, pid: int) -> int | None:
     """A pidfd for bubblewrap's init `pid` (None if it has already gone).
 
     The pidfd is what lets `_end` kill the whole namespace and wait until it is empty.
@@ -801,19 +852,7 @@ def _parent_pid(pid: int) -> int | None:
 def _end(proc: subprocess.Popen, init_pidfd: int | None) -> None:
     """Kills what is left of the run and reaps it; closes `init_pidfd`."""
     if init_pidfd is not None:
-        # Kill bubblewrap's init while its parent (our bubblewrap) is alive to reap it. The
-        # kernel kills every other process in the namespace, and waits for them, before
-        # the init's exit is seen, so once the pidfd is readable the sandbox is empty.
-        try:
-            signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            with selectors.DefaultSelector() as selector:
-                selector.register(init_pidfd, selectors.EVENT_READ)
-                selector.select(_TEARDOWN_S)
-        finally:
-            os.close(init_pidfd)
+        kill_namespace(init_pidfd)
     # Kill the whole group before reaping: while the child is an unreaped zombie its pid
     # (= the group id) cannot be reused, so this never hits another process.
     try:
@@ -823,6 +862,24 @@ def _end(proc: subprocess.Popen, init_pidfd: int | None) -> None:
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()
+
+
+def kill_namespace(init_pidfd: int) -> None:
+    """Kills the sandbox whose init `init_pidfd` is and waits (up to _TEARDOWN_S) until
+    it is empty; closes the pidfd."""
+    # Kill bubblewrap's init while its parent (our bubblewrap) is alive to reap it. The
+    # kernel kills every other process in the namespace, and waits for them, before the
+    # init's exit is seen, so once the pidfd is readable the sandbox is empty.
+    try:
+        signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(init_pidfd, selectors.EVENT_READ)
+            selector.select(_TEARDOWN_S)
+    finally:
+        os.close(init_pidfd)
 
 
 def _script_fd(script: str) -> int:

@@ -12,8 +12,10 @@ from absl import logging
 
 from gyrejax.cells import Cell
 from gyrejax.config import Config
+from gyrejax.logs import append_jsonl
 from gyrejax.scheduler.driver import Driver, Schedule
 from gyrejax.train.trainer import ElasticTrainer
+from gyrejax.writers import Writers
 
 
 def schedule_of(config: Config, cells: int) -> Schedule:
@@ -57,6 +59,10 @@ class RunContext:
     weight_pulls: int = 0
     phase: dict[int, str] = dataclasses.field(default_factory=dict)
     timeline: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
+    writers: Writers | None = None  # logging.writers' trackers (runtime.py opens them)
+    # transitions.jsonl's records so far (steps.py counts a resumed run's): the trackers'
+    # step of the next (writers.record_steps).
+    transitions_logged: int = 0
 
     def __post_init__(self):
         self._start = time.monotonic()
@@ -68,6 +74,12 @@ class RunContext:
         """The run begins (on the running event loop): the clock starts."""
         self._changed = asyncio.Event()
         self._start = time.monotonic()
+
+    def log(self, name: str, record: dict, step: int) -> None:
+        """Appends `record` to `<workdir>/<name>.jsonl` and sends it to the trackers."""
+        append_jsonl(self.workdir / f"{name}.jsonl", record)
+        if self.writers is not None:
+            self.writers.write(name, record, step)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -98,9 +110,10 @@ class RunContext:
         self._changed.clear()
 
     def check(self) -> None:
-        """Raises if a task of the run failed."""
+        """Raises if a task of the run failed: its own error, whose type callers may
+        catch (launch's one-line errors), with the task's traceback."""
         if self._failure is not None:
-            raise RuntimeError("a runtime task failed") from self._failure
+            raise self._failure
 
     def _surface_errors(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:

@@ -45,7 +45,7 @@ from absl import logging
 from gyrejax.evaluation import TaskResult, report
 from gyrejax.harness.agent import Harness
 from gyrejax.harness.held_out import EvalTask
-from gyrejax.logs import append_jsonl, prepare_for_append, up_to_step
+from gyrejax.logs import prepare_for_append, up_to_step
 from gyrejax.loop.context import RunContext
 from gyrejax.scheduler.policies import Role
 
@@ -183,7 +183,7 @@ class Evaluation:
                 {"id": r.task_id, "family": r.family, "greedy": r.greedy, "sampled": r.sampled}
                 for r in results
             ]
-            append_jsonl(ctx.workdir / EVAL_LOG, record)
+            ctx.log(EVAL_LOG.removesuffix(".jsonl"), record, step=step)
             self._newest = record
             logging.info(
                 "eval at step %d (version %d, sampled with %s): greedy pass@1 %.3f, sampled "

@@ -28,10 +28,13 @@ from absl import logging
 
 from gyrejax.cells import Cell
 from gyrejax.config import Config
+from gyrejax.harness.agent_sandbox import agent_sandbox_summary
 from gyrejax.harness.sandbox import sandbox_summary
-from gyrejax.logs import append_jsonl, mark, read_jsonl
+from gyrejax.harness.workspace_quota import quota_summary
+from gyrejax.logs import mark, read_jsonl
 from gyrejax.loop.context import RunContext
 from gyrejax.loop.evaluation import EVAL_LOG, record_figures
+from gyrejax.progress import Progress
 from gyrejax.scheduler import plots
 from gyrejax.scheduler.driver import logged_trainer_time
 from gyrejax.scheduler.policies import IDLE_CAUSES, Role
@@ -82,7 +85,8 @@ def log_transition(
     """Appends a transition (or a publication: `index` None) to `transitions.jsonl`."""
     burst = ctx.driver.burst if burst is None else burst
     record = {"time_s": ctx.now(), "cell": index, "kind": kind, "burst": burst, **phases}
-    append_jsonl(ctx.workdir / "transitions.jsonl", record)
+    ctx.transitions_logged += 1
+    ctx.log("transitions", record, step=ctx.transitions_logged)
     mark("publish done" if kind == "publish" else "transition done")
     logging.info("transition %s cell %s: %s", kind, index, phases)
 
@@ -111,22 +115,27 @@ class CellTime:
         """Samples what every cell does and prints a progress line now and then."""
         ctx = self.ctx
         last_print = 0.0
+        # Rate and ETA of the RL steps (logged in the progress line below; a bar on a
+        # terminal); measured from the first step done, so its compile counts once.
+        steps = Progress("RL steps", ctx.config.train.steps, "steps", every_s=float("inf"))
+        last_step = ctx.trainer.step
+        steps.update(last_step)
         while True:
             await asyncio.sleep(SAMPLE_S)
             in_flight = proxy.counters().in_flight
-            total = ctx.config.train.steps * ctx.config.rl.groups_per_step
-            tail = groups.next_seq >= total
+            tail = groups.next_seq >= ctx.driver.schedule.groups_total
             states = [self.state(c, in_flight, tail) for c in ctx.cells]
             for state in states:
                 self.cell_s[state] += SAMPLE_S
             self.busy_samples.append(states.count("busy") / len(states))
+            if ctx.trainer.step != last_step:
+                last_step = ctx.trainer.step
+                steps.update(last_step)
             if ctx.now() - last_print >= ctx.config.scheduler.progress_every_s:
                 last_print = ctx.now()
                 logging.info(
-                    "progress: step %d/%d, burst %d, roles %s, %d groups ready, %d executions "
-                    "running",
-                    ctx.trainer.step,
-                    ctx.config.train.steps,
+                    "progress: %s; burst %d, roles %s, %d groups ready, %d executions running",
+                    steps.line(ctx.trainer.step),
                     ctx.driver.burst,
                     ctx.driver.roles_text(),
                     len(groups.ready),
@@ -176,6 +185,7 @@ def step_record(
     bad_records: int,
     longest_call: int,
     evaluation: dict | None = None,
+    compiled: int = 0,
 ) -> dict:
     """Appends the metrics row of a step to `metrics.jsonl` and logs it; returns it.
     `longest_call`: the longest context (prompt + output) of a call the step trained;
@@ -206,9 +216,11 @@ def step_record(
         "cell_s": cell_time.since_step(),
         "over_stale": over_stale,
         "bad_records": bad_records,
+        # Functions the step compiled (its step_s includes them; steps.png marks it).
+        "compiled": compiled,
         "eval": evaluation,
     }
-    append_jsonl(ctx.workdir / "metrics.jsonl", record)
+    ctx.log("metrics", record, step=record["step"])
     mark("step done")
     metrics = report.metrics
     logging.info(
@@ -269,6 +281,14 @@ def write_summary(
         "schedule": schedule_fields(config, len(ctx.cells)),
         # Which sandbox ran agent code; without bubblewrap it says it is no boundary.
         "sandbox": sandbox_summary(config.harness.sandbox),
+        # Each workspace's bytes and inodes, and whether they are enforced (root: tmpfs).
+        "workspace_quota": quota_summary(
+            config.harness.workspace_bytes, config.harness.workspace_inodes
+        ),
+        # How the agent command was confined (rl.agent=command only).
+        "agent_sandbox": (
+            agent_sandbox_summary(config.harness) if config.rl.agent == "command" else None
+        ),
         # The last held-out evaluation (eval.jsonl has each): step, version, figures.
         "eval": record_figures(evaluations[-1]) if evaluations else None,
         "evaluations": len(evaluations),

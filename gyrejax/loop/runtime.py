@@ -55,6 +55,7 @@ from gyrejax.scheduler.policies import Role, policy_from_config
 from gyrejax.serve.openai_server import OpenAIServer
 from gyrejax.train.trainer import ElasticTrainer
 from gyrejax.trajectory import ExecutionStore
+from gyrejax.writers import Writers
 
 
 class Runtime:
@@ -127,6 +128,8 @@ class Runtime:
         ctx.start()
         self.steps.restore()
         self.evaluation.restore(self.trainer.step)
+        # After the logs were trimmed: the trackers rewrite the steps the run redoes.
+        ctx.writers = Writers(config, ctx.workdir, resumed_at=self.trainer.step)
         try:  # engines started so far are shut down even if a later one fails to start
             proxy = await self.rollout.start()
             harness = await self._agents(proxy)
@@ -207,7 +210,9 @@ class Runtime:
                 environment=self.groups.env,
                 chat=chat,
             )
-        agents = await start_command_agents(config, proxy, chat, workdir, self.groups.env)
+        agents = await start_command_agents(
+            config, proxy, chat, workdir, self.groups.env, run_dirs=(self.ctx.workdir,)
+        )
         self.door = agents.door
         return agents
 
@@ -223,4 +228,5 @@ class Runtime:
         if self.door is not None:
             await self.door.stop()
         await self.rollout.shutdown()
+        ctx.writers.close()
         self.steps.close()

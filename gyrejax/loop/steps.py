@@ -19,6 +19,7 @@ twice; metric rows of steps past the checkpoint are dropped (they are trained ag
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 
 from absl import logging
@@ -31,6 +32,14 @@ from gyrejax.model.hf_io import tokenizer_fingerprint
 from gyrejax.train.checkpoint import TOKENIZER_KEY, TrainCheckpointer, check_tokenizer
 from gyrejax.train.loop import process_options
 from gyrejax.trajectory import process
+
+# Steps' worth of groups in a row with nothing to train before the run gives up.
+NOTHING_TO_TRAIN_STEPS = 4
+
+
+class NothingToTrain(RuntimeError):
+    """Group after group had nothing to train: the run cannot make progress (the message
+    says why, with the last execution's error)."""
 
 
 class Steps:
@@ -61,6 +70,8 @@ class Steps:
         self.checkpointer = TrainCheckpointer(ctx.workdir / "checkpoints", ctx.config.checkpoint)
         self.tokenizer = tokenizer_fingerprint(ctx.config.model.tokenizer)  # (read once)
         self.trained_groups: list[str] = []
+        self.skipped_groups: list[str] = []  # with nothing to train: replaced (see below)
+        self.skipped_in_a_row = 0
         self.over_stale = 0  # groups trained more than max_staleness versions late
         self.resumed_at = 0  # the step this process started from (its rows come after)
 
@@ -97,11 +108,13 @@ class Steps:
         loop = asyncio.get_running_loop()
         try:
             if batch.num_micro_steps == 0:
-                logging.warning("groups %s have nothing to train; skipped", group_ids)
-                self.trained_groups += group_ids
+                self._nothing_to_train(group_ids, executions)
                 return
+            self.skipped_in_a_row = 0
             mark("step")  # for benchmarks/chaos.py; "step done" comes with its metrics row
+            compiled = trainer.compile_count
             report = await loop.run_in_executor(None, trainer.train_step, batch)
+            compiled = trainer.compile_count - compiled  # functions this step compiled
             self.trained_groups += group_ids
             end_of_burst = ctx.driver.step_done()
             step_record(
@@ -115,6 +128,7 @@ class Steps:
                 bad_records=self.groups.bad_records,
                 longest_call=longest_call(executions, batch.execution_ids),
                 evaluation=self.eval_figures(),
+                compiled=compiled,
             )
             self.groups.bad_records = 0
             if trainer.step % config.checkpoint.every_steps == 0:
@@ -125,9 +139,36 @@ class Steps:
             ctx.step_task = None
             ctx.notify()
 
+    def _nothing_to_train(self, group_ids: list[str], executions: list) -> None:
+        """Groups whose executions all failed (or hold nothing trainable) count as
+        trained, never retried, and as many new groups take their place: the schedule
+        dispatches only steps x groups_per_step, and would otherwise wait for groups it
+        never dispatches. Past NOTHING_TO_TRAIN_STEPS steps' worth in a row the run ends
+        with why (an agent command that cannot run fails every execution)."""
+        ctx = self.ctx
+        self.trained_groups += group_ids
+        self.skipped_groups += group_ids
+        self.skipped_in_a_row += len(group_ids)
+        limit = NOTHING_TO_TRAIN_STEPS * ctx.config.rl.groups_per_step
+        if self.skipped_in_a_row >= limit:
+            failed = [e for e in executions if e.error]
+            why = f"; the last error ({failed[-1].execution_id}): {failed[-1].error[-400:]}"
+            raise NothingToTrain(
+                f"{self.skipped_in_a_row} groups in a row had nothing to train (every "
+                f"execution failed or trained nothing){why if failed else ''}"
+            )
+        logging.warning("groups %s have nothing to train; new groups replace them", group_ids)
+        self._replace_groups(len(group_ids))
+
+    def _replace_groups(self, count: int) -> None:
+        schedule = self.ctx.driver.schedule
+        total = schedule.groups_total + count
+        self.ctx.driver.schedule = dataclasses.replace(schedule, groups_total=total)
+
     def save(self) -> None:
         """Checkpoints the trainer with what a restart needs to go on."""
         meta = {"trained_groups": self.trained_groups, "next_seq": self.groups.next_seq}
+        meta["skipped_groups"] = self.skipped_groups
         meta.update(burst=self.ctx.driver.burst, seed=self.ctx.config.seed)
         meta[TOKENIZER_KEY] = self.tokenizer
         self.ctx.trainer.save(self.checkpointer, meta)
@@ -146,6 +187,8 @@ class Steps:
             where = self.checkpointer.step_path(trainer.step)
             check_tokenizer(meta, ctx.config.model.tokenizer, self.tokenizer, where)
             self.trained_groups = list(meta["trained_groups"])
+            self.skipped_groups = list(meta.get("skipped_groups", []))
+            self._replace_groups(len(self.skipped_groups))
             ctx.driver.burst = int(meta["burst"])
             ctx.driver.rollout_version = trainer.version
             self.resumed_at = trainer.step
@@ -153,7 +196,8 @@ class Steps:
                 "resumed from step %d (%d groups trained)", trainer.step, len(self.trained_groups)
             )
         prepare_for_append(ctx.workdir / "metrics.jsonl", keep=up_to_step(trainer.step))
-        prepare_for_append(ctx.workdir / "transitions.jsonl")
+        # Every role switch stays (none is redone): the trackers count on from the last.
+        ctx.transitions_logged = len(prepare_for_append(ctx.workdir / "transitions.jsonl"))
         prepare_for_append(ctx.workdir / "executions.jsonl")
 
     def close(self) -> None:

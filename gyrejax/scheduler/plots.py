@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only, no display
 
@@ -36,18 +37,52 @@ def role_timeline(path: Path, timeline: list[tuple[float, int, str]], cells: int
     plt.close(fig)
 
 
-def per_step(path: Path, records: list[dict]):
-    """Reward and step time per training step."""
+def moving_average(values: list[float], window: int) -> tuple[np.ndarray, np.ndarray]:
+    """The trailing mean and standard deviation over up to `window` values at each point."""
+    x = np.asarray(values, float)
+    means, stds = np.empty_like(x), np.empty_like(x)
+    for i in range(len(x)):
+        part = x[max(0, i + 1 - window) : i + 1]
+        means[i], stds[i] = part.mean(), part.std()
+    return means, stds
+
+
+def per_step(path: Path, records: list[dict]) -> dict:
+    """Reward per step (points, a moving average and its band of one standard deviation)
+    and step time, whose axis the steady steps set: a step that compiled (`compiled` > 0
+    in its record) is marked, and one that would stretch the axis is drawn at its top
+    with its time written beside it. Returns what was drawn: {"window", "step_time_top",
+    "compile_steps"}."""
     steps = [r["step"] for r in records]
+    rewarded = [(r["step"], r["reward"]) for r in records if r.get("reward") is not None]
+    window = max(1, min(20, len(rewarded) // 5))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(steps, [r.get("reward") for r in records], marker="o")
+    if rewarded:
+        x, y = zip(*rewarded, strict=True)
+        mean, std = moving_average(list(y), window)
+        top.plot(x, y, "o", color="tab:blue", alpha=0.35, markersize=3, label="per step")
+        top.plot(x, mean, color="tab:blue", label=f"moving average ({window} steps)")
+        top.fill_between(x, mean - std, mean + std, color="tab:blue", alpha=0.15, label="± 1 sd")
+        top.legend(loc="best", fontsize="small")
     top.set_ylabel("mean reward")
-    bottom.plot(steps, [r.get("step_s") for r in records], marker="o", color="tab:orange")
-    bottom.set_ylabel("step time (s)")
+    times = [r.get("step_s") or 0.0 for r in records]
+    compiles = [r["step"] for r in records if r.get("compiled")]
+    steady = [t for r, t in zip(records, times, strict=True) if not r.get("compiled")] or times
+    limit = 1.3 * max(steady) if max(steady) > 0 else 1.0
+    bottom.plot(steps, [min(t, limit) for t in times], marker="o", color="tab:orange")
+    for step, t in zip(steps, times, strict=True):
+        if step in compiles:
+            bottom.plot([step], [min(t, limit)], "s", color="tab:red", markersize=8)
+            if t > limit:
+                bottom.annotate(f"{t:.1f} s (compiling)", (step, limit), fontsize="small",
+                                xytext=(4, -12), textcoords="offset points")  # fmt: skip
+    bottom.set_ylim(0, limit * 1.05)
+    bottom.set_ylabel("step time (s); red: compiled")
     bottom.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return {"window": window, "step_time_top": limit, "compile_steps": compiles}
 
 
 # eval.jsonl figure -> its label in eval.png.

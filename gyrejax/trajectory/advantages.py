@@ -4,7 +4,8 @@ An estimator maps the rewards of one group (float64[n], n >= 1) to one advantage
 execution (float64[n]), given the std convention (`std`: one of `ADVANTAGE_STDS`, the
 config's `rl.advantage_std`; estimators that do not divide by a std ignore it). Pick one
 by name in `process(..., advantage=name, advantage_std=std)`; add one with
-`@register_advantage("name")`.
+`@register_advantage("name")`. Rewards reach the estimator through `shape_rewards`
+(`rl.reward_shaping`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ GRPO_EPS = 1e-6
 # The group std's delta degrees of freedom by name: "unbiased" (ddof=1, as verl and TRL
 # normalise GRPO advantages) or "population" (ddof=0).
 ADVANTAGE_STDS = {"unbiased": 1, "population": 0}
+
+# What an estimator sees of each reward (rl.reward_shaping): "as_is", or "pass": 1 for an
+# execution that reached `PASS_REWARD` (every hidden check, as held-out pass@1 counts it),
+# else 0, so partial credit earns no advantage over nothing.
+REWARD_SHAPINGS = ("as_is", "pass")
+PASS_REWARD = 1.0
 
 _REGISTRY: dict[str, AdvantageFn] = {}
 
@@ -49,6 +56,17 @@ def get_advantage(name: str) -> AdvantageFn:
         raise ValueError(
             f"unknown advantage estimator {name!r}; known: {known_advantages()}"
         ) from None
+
+
+def shape_rewards(rewards: np.ndarray, shaping: str) -> np.ndarray:
+    """`rewards` (float64[n]) as the estimators see them under `shaping` (see
+    `REWARD_SHAPINGS`)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if shaping == "as_is":
+        return r
+    if shaping == "pass":
+        return (r >= PASS_REWARD).astype(np.float64)
+    raise ValueError(f"reward shaping {shaping!r}; expected one of {', '.join(REWARD_SHAPINGS)}")
 
 
 @register_advantage("grpo")

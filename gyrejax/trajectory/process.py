@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gyrejax.trajectory.admission import admission_rng, admit_paths
-from gyrejax.trajectory.advantages import ADVANTAGE_STDS, get_advantage
+from gyrejax.trajectory.advantages import ADVANTAGE_STDS, get_advantage, shape_rewards
 from gyrejax.trajectory.buckets import (
     BucketChoice,
     check_row_lengths,
@@ -258,6 +258,7 @@ def process(
     seed: int = 0,
     advantage: str = "grpo",
     advantage_std: str = "unbiased",
+    reward_shaping: str = "as_is",
     rows_per_micro_step: int = 1,
     vocab_size: int | None = None,
     eval_retry_budget: int = 3,
@@ -278,6 +279,8 @@ def process(
       advantage: name of a registered group-relative estimator ("grpo", "rloo", ...).
       advantage_std: the group std an estimator divides by: "unbiased" (ddof=1) or
         "population" (ddof=0).
+      reward_shaping: what the estimator sees of each reward: "as_is", or "pass" (1 for
+        a reward of at least 1, every hidden check passed, else 0).
       rows_per_micro_step: R; the row count is padded to a multiple of R.
       vocab_size: if given, every token id must lie in [0, vocab_size).
       eval_retry_budget: eval_failed executions with at least this many evaluation
@@ -334,9 +337,10 @@ def process(
     for i, ex in enumerate(used):
         groups.setdefault(ex.group_id, []).append(i)
     reward_arr = np.asarray(rewards, dtype=np.float64)
+    shaped = shape_rewards(reward_arr, reward_shaping)
     adv_arr = np.zeros(len(used), dtype=np.float64)
     for members in groups.values():
-        adv_arr[members] = estimator(reward_arr[members], std=advantage_std)
+        adv_arr[members] = estimator(shaped[members], std=advantage_std)
     if not np.all(np.isfinite(adv_arr)):
         raise ValueError(f"advantage estimator {advantage!r} returned non-finite values")
 
