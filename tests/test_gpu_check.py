@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TEST_XLA_FLAGS
 
 
 def test_the_gpu_check_runs_every_part_on_cpu(tmp_path):
@@ -14,7 +14,8 @@ def test_the_gpu_check_runs_every_part_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
     result = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--cpu_dry_run", "--json", str(out)],
-        cwd=REPO_ROOT, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+        cwd=REPO_ROOT, env=dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS),
+        capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
