@@ -878,10 +878,10 @@ class Simulator:
             self._decide()
             if self.version >= c.steps:
                 break
-            when, kind = self._next_event()
+            when, kind, speeds = self._next_event()
             if kind is None:
                 raise SimulationError(self._stuck_message())
-            self._advance(when)
+            self._advance(when, speeds)
             if kind == "execution":
                 self._finish_execution()
             elif kind == "phase":
@@ -954,15 +954,19 @@ class Simulator:
 
     # --- time ---------------------------------------------------------------------------------
 
-    def _next_event(self) -> tuple[float, str | None]:
+    def _next_event(self) -> tuple[float, str | None, tuple]:
+        """(when, what, speeds): the next event and the speeds until then, (the shared
+        cores' share, the running executions, their rates), which `_advance` reuses:
+        nothing changes in between, and they are most of a simulation's time."""
         best, kind = np.inf, None
+        share = self._share()
+        running, rates = None, None
         if self.step_running and self.step_cells:
-            when = self.now + self.step_work / (self._train_rate() * self._share())
+            when = self.now + self.step_work / (self._train_rate() * share)
             best, kind = when, "step"
         if self.current is not None and self.current[2] == "switch" and self.current[3] < best:
             best, kind = self.current[3], "transition"
         if self.config.load_model:
-            share = self._share()
             if self.running:
                 running = np.array(self.running)
                 rates = self._rates(running, share)
@@ -980,15 +984,16 @@ class Simulator:
                 when = self.now + float(self.compile_left[compiling].min()) / rate
                 if when < best:
                     best, kind = when, "compile"
-            return best, kind
+            return best, kind, (share, running, rates)
         while self.heap and self.heap[0][2] != self.generation[self.heap[0][1]]:
             heapq.heappop(self.heap)  # a paused execution's stale entry
         if self.heap and self.heap[0][0] < best:
             best, kind = self.heap[0][0], "execution"
-        return best, kind
+        return best, kind, (share, running, rates)
 
-    def _advance(self, when: float) -> None:
-        """Moves the clock, attributing every cell-second to work or to an idle cause."""
+    def _advance(self, when: float, speeds: tuple) -> None:
+        """Moves the clock at `speeds` (from `_next_event`), attributing every cell-second
+        to work or to an idle cause."""
         dt = when - self.now
         if dt < 0:
             raise SimulationError(f"time runs backwards: {self.now} -> {when}")
@@ -1011,12 +1016,10 @@ class Simulator:
             cause = "gate" if self.driver.gate_closed else "other"
             self.idle[cause] += dt * free_slots
             self.idle["train_wait"] += dt * trainer_idle
-        share = self._share()
+        share, running, rates = speeds
         if self.step_running:
             self.step_work = max(0.0, self.step_work - dt * self._train_rate() * share)
         if c.load_model and self.running:
-            running = np.array(self.running)
-            rates = self._rates(running, share)
             self.left[running] = np.maximum(0.0, self.left[running] - dt * rates)
         if c.load_model:
             self.compile_left = np.maximum(0.0, self.compile_left - dt * self._compile_rate())
